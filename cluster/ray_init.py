@@ -1,0 +1,37 @@
+"""Connecting the driver to Ray: join a cluster when there is one, else start a right-sized local one."""
+
+from __future__ import annotations
+
+import os
+
+from pipeline.config import RayConfig
+
+
+def connect(cfg: RayConfig) -> str:
+    """Initialise Ray once and describe what we joined.
+
+    Inside `ray job submit` (or with RAY_ADDRESS set) we join that cluster and size nothing.
+    Otherwise we start a local Ray with a bounded object store: Ray's default of 30% of RAM
+    would starve DeepSpeed workers on a 24 GiB machine.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return "already connected"
+    quiet = dict(configure_logging=True, logging_level="WARNING", log_to_driver=True)
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], **quiet)
+        where = f"joined Ray cluster at {os.environ['RAY_ADDRESS']}"
+    else:
+        ray.init(num_cpus=cfg.num_cpus or os.cpu_count(),
+                 object_store_memory=int(cfg.object_store_gb * (1 << 30)),
+                 include_dashboard=cfg.dashboard, **quiet)
+        where = "started a local Ray"
+    res = ray.cluster_resources()
+    return f"{where}: {int(res.get('CPU', 0))} CPUs, {int(res.get('GPU', 0))} GPUs, {len(ray.nodes())} node(s)"
+
+
+def cluster_gpus() -> int:
+    import ray
+
+    return int(ray.cluster_resources().get("GPU", 0))

