@@ -14,7 +14,8 @@ from pathlib import Path
 
 from pipeline.artifacts import ArtifactStore, artifact_id
 from pipeline.config import ConfigError, PipelineConfig, apply_overrides, validate
-from pipeline.plan import STAGES, PlannedStage, load, make_plan
+from pipeline.datasets import materialize_corpus
+from pipeline.plan import STAGES, PlannedStage, available, load, make_plan
 from pipeline.presets import PRESETS
 
 
@@ -78,26 +79,26 @@ def check_workdir(workdir: Path) -> Path:
 
 
 def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path) -> tuple[dict, dict]:
-    """Inputs that are not stage artifacts: the raw corpus and the fine-tuning task, with stable ids."""
+    """Inputs that are not stage artifacts: the raw corpus and the fine-tuning task, with stable ids.
+
+    Resolved on the driver before Ray starts, so a missing path fails in a second, not after a cluster spin-up.
+    """
     from stages.base import StageInputError
 
+    specs = {s.name: s for s in STAGES if available(s)}
     objects, ids = {}, {}
     try:
-        corpus_mod = load(STAGES[0])
-        if args.corpus:
-            patterns = tuple(args.corpus)
-        else:
-            from pipeline.datasets import materialize_corpus
-
-            patterns = (str(materialize_corpus("news", workdir / "data" / "news")),)
-        sources = corpus_mod.list_sources(patterns)
-        objects["raw"] = corpus_mod.RawCorpus(patterns=patterns)
-        ids["raw"] = artifact_id("raw", "1", [(p, size) for p, size, _ in sources], {})
-        finetune = next(s for s in STAGES if s.name == "finetune")
-        from pipeline.plan import available
-
-        if available(finetune):
-            task = load(finetune).resolve_task(cfg.finetune.task, workdir)
+        if "corpus" in specs:
+            corpus_mod = load(specs["corpus"])
+            if args.corpus:
+                patterns = tuple(args.corpus)
+            else:
+                patterns = (str(materialize_corpus("news", workdir / "data" / "news")),)
+            sources = corpus_mod.list_sources(patterns)
+            objects["raw"] = corpus_mod.RawCorpus(patterns=patterns)
+            ids["raw"] = artifact_id("raw", "1", [(p, size) for p, size, _ in sources], {})
+        if "finetune" in specs:
+            task = load(specs["finetune"]).resolve_task(cfg.finetune.task, workdir)
             objects["task"], ids["task"] = task, task.id
     except StageInputError as e:
         raise UserError(str(e)) from None
