@@ -58,6 +58,8 @@ class CorpusConfig:
     """Documents larger than this are rejected (reason recorded) rather than hashed."""
     seed: int = 0
     """Seed of the MinHash permutations."""
+    batch_size: int = 512
+    """Documents per Ray Data batch in the corpus stage (bounds each worker's memory)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,9 @@ class VocabConfig:
     """Share of characters covered by pieces; the rest fall back to bytes."""
     seed: int = 0
     """Seed of the sample."""
+    num_threads: int = 0
+    """SentencePiece trainer threads; 0: every CPU available. Its EM sums per-thread partial counts, so bit-identical
+    models across machines need the same fixed number here."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,8 @@ class TokenizeConfig:
     """Documents per Ray Data batch (bounds worker memory)."""
     rows_per_shard: int = 50_000
     """Target sequences per output shard."""
+    num_workers: int | None = None
+    """Tokenizer actors (each loads the SentencePiece model once, one CPU each); None: one per CPU of the cluster."""
 
 
 @dataclass(frozen=True)
@@ -125,7 +132,13 @@ class PretrainConfig:
     """Steps between DeepSpeed checkpoints reported to Ray Train."""
     max_failures: int = 3
     """Worker failures Ray Train recovers from (restoring the latest checkpoint)."""
+    shuffle_buffer: int = 1_024
+    """Sequences in each worker's seeded local shuffle buffer (Ray Data); 0 = shard order. Packed sequences of
+    one document are adjacent on disk, so some shuffling keeps them out of the same batch."""
+    placement_strategy: str = "PACK"
+    """Ray placement of the training workers: "PACK" (fill a node's GPUs first) or "SPREAD" (one per node first)."""
     seed: int = 0
+    """Seeds model init, span masks (with step, micro-batch and rank) and the shuffle (with epoch and rank)."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,341 @@
+"""Corpus ingest: expand patterns to files, and read one file into documents or rejections.
+
+Everything here works on a single file with memory bounded by `max_doc_bytes` plus one read
+chunk, so the Ray map over files (stages/corpus.py) never holds more than a batch. Local paths
+and pyarrow.fs URIs (s3://, gs://, hdfs://, file://) go through the same pyarrow filesystem
+calls; only the expansion of a local glob uses Python's `glob`.
+
+Formats, by suffix: `.txt`/`.text` (one document per file, or per non-empty line),
+`.jsonl`/`.ndjson` (a string field), `.parquet` (a string column); `.gz`, `.bz2`, `.zst`
+decompress transparently (not around Parquet, which compresses internally).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from stages.base import StageInputError
+
+COMPRESSION = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".zstd": "zstd"}
+FORMATS = {".txt": "txt", ".text": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
+READ_CHUNK = 1 << 20
+SNIFF_BYTES = 8192
+# Errors a corrupt or unreadable input raises (zlib/bz2/zstd and Arrow errors are OSError or ValueError).
+READ_ERRORS = (OSError, ValueError, EOFError, pa.ArrowException)
+
+
+@dataclass(frozen=True)
+class Record:
+    """One document (`text`) or one rejection (`reason`) read from `source` at ordinal `index`."""
+
+    source: str
+    index: int
+    text: str | None = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    txt_mode: str = "document"
+    jsonl_field: str = "text"
+    parquet_column: str = "text"
+    max_doc_bytes: int = 8 * 1024 * 1024
+
+
+# ---------------------------------------------------------------- listing
+
+
+def _is_uri(path: str) -> bool:
+    return "://" in path
+
+
+def _has_magic(path: str) -> bool:
+    return any(c in path for c in "*?[")
+
+
+def _hidden(name: str) -> bool:
+    """Dot files and `_SUCCESS`/`_metadata`-style markers inside a directory are not corpus files."""
+    return name.startswith((".", "_"))
+
+
+def _stat_local(path: str) -> tuple[str, int, int]:
+    try:
+        st = os.stat(path)
+    except OSError:  # a dangling link or a vanished file: listed, then rejected with its reason on read
+        st = os.lstat(path)
+    return os.path.abspath(path), st.st_size, st.st_mtime_ns
+
+
+def _walk_local(root: str) -> list[tuple[str, int, int]]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not _hidden(d))
+        out.extend(_stat_local(os.path.join(dirpath, f)) for f in filenames if not _hidden(f))
+    return out
+
+
+def _glob_regex(pattern: str) -> re.Pattern:
+    """A glob with `**` (any depth) as a regex over '/'-separated paths."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        else:
+            j = pattern.find("]", i) if pattern[i] == "[" else -1
+            if j > i:
+                out.append(fnmatch.translate(pattern[i:j + 1]).removeprefix("(?s:").removesuffix(")\\Z"))
+                i = j + 1
+            else:
+                out.append(re.escape(pattern[i]))
+                i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+def _list_uri(pattern: str) -> list[tuple[str, int, int]]:
+    scheme = pattern.split("://", 1)[0]
+    magic = _has_magic(pattern)
+    root = pattern[:min(pattern.find(c) for c in "*?[" if c in pattern)] if magic else pattern
+    fs, path = pafs.FileSystem.from_uri(root)
+    if magic:
+        base = path.rstrip("/") if root.endswith("/") else path.rsplit("/", 1)[0]
+        regex = _glob_regex(_uri_path_pattern(pattern))
+        infos = fs.get_file_info(pafs.FileSelector(base or "/", recursive=True, allow_not_found=True))
+        infos = [i for i in infos if i.type == pafs.FileType.File and regex.match(i.path)]
+    else:
+        info = fs.get_file_info(path)
+        if info.type == pafs.FileType.Directory:
+            infos = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+            infos = [i for i in infos if i.type == pafs.FileType.File
+                     and not any(_hidden(part) for part in i.path[len(path):].split("/"))]
+        else:
+            infos = [] if info.type == pafs.FileType.NotFound else [info]
+    return [(f"{scheme}://{i.path}", i.size or 0, i.mtime_ns or 0) for i in infos]
+
+
+def _uri_path_pattern(pattern: str) -> str:
+    """The path part of a URI glob as pyarrow reports file paths (bucket/key for object stores)."""
+    scheme, rest = pattern.split("://", 1)
+    return rest if scheme == "file" else rest.lstrip("/")
+
+
+def list_sources(patterns: Sequence[str]) -> list[tuple[str, int, int]]:
+    """Expand files, directories (recursive), globs (`**` included) and pyarrow.fs URIs.
+
+    Returns sorted, de-duplicated (path, size, mtime_ns); local paths are made absolute so a
+    document's id does not depend on the working directory. A pattern matching nothing stops
+    the run here, on the driver, before Ray starts.
+    """
+    if not patterns:
+        raise StageInputError("no corpus paths given; pass --corpus PATH (a file, a directory or a quoted glob)")
+    found: dict[str, tuple[int, int]] = {}
+    for pattern in patterns:
+        if _is_uri(pattern):
+            entries = _list_uri(pattern)
+        elif _has_magic(pattern):
+            entries = []
+            for p in glob.glob(os.path.expanduser(pattern), recursive=True):
+                entries.extend(_walk_local(p) if os.path.isdir(p) else [_stat_local(p)])
+        elif os.path.isdir(os.path.expanduser(pattern)):
+            entries = _walk_local(os.path.expanduser(pattern))
+        elif os.path.lexists(os.path.expanduser(pattern)):
+            entries = [_stat_local(os.path.expanduser(pattern))]
+        else:
+            entries = []
+        if not entries:
+            raise StageInputError(
+                f"corpus path {pattern!r} matches no files; check the path, and quote globs so the shell "
+                f"does not expand them (e.g. --corpus 'DIR/**/*.jsonl')")
+        for path, size, mtime in entries:
+            found[path] = (size, mtime)
+    return [(p, s, m) for p, (s, m) in sorted(found.items())]
+
+
+# ---------------------------------------------------------------- reading
+
+
+def file_kind(path: str) -> tuple[str | None, str | None]:
+    """(format, compression) from the file name; format None when unsupported."""
+    name = path.rsplit("/", 1)[-1].lower()
+    stem, ext = os.path.splitext(name)
+    codec = COMPRESSION.get(ext)
+    if codec:
+        stem, ext = os.path.splitext(stem)
+    fmt = FORMATS.get(ext)
+    if fmt == "parquet" and codec:
+        return None, codec
+    return fmt, codec
+
+
+def _open_fs(path: str) -> tuple[pafs.FileSystem, str]:
+    if _is_uri(path):
+        return pafs.FileSystem.from_uri(path)
+    return pafs.LocalFileSystem(), path
+
+
+def _lines(stream, limit: int) -> Iterator[bytes | None]:
+    """Every line of a byte stream without its newline; None for a line over `limit` bytes,
+    which is skipped chunk by chunk rather than held (a 50 MB one-line file costs one chunk)."""
+    pending = bytearray()
+    skipping = False
+    while chunk := stream.read(READ_CHUNK):
+        start = 0
+        while (nl := chunk.find(b"\n", start)) >= 0:
+            if skipping:
+                yield None
+                skipping = False
+            else:
+                pending += chunk[start:nl]
+                yield None if len(pending) > limit else bytes(pending)
+            pending.clear()
+            start = nl + 1
+        if not skipping:
+            pending += chunk[start:]
+            if len(pending) > limit:
+                skipping = True
+                pending.clear()
+    if skipping:
+        yield None
+    elif pending:
+        yield bytes(pending)
+
+
+def _decode(raw: bytes, where: str) -> tuple[str | None, str | None]:
+    """(text, None) or (None, reason) for strict UTF-8 (a leading BOM is dropped)."""
+    try:
+        return raw.decode("utf-8-sig"), None
+    except UnicodeDecodeError as e:
+        return None, f"{where}invalid UTF-8 at byte {e.start} ({e.reason}); re-encode the file as UTF-8"
+
+
+class _Sniffed:
+    """A stream whose first bytes were read to detect binary content, then replayed."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.head = stream.read(SNIFF_BYTES)
+
+    def read(self, n: int) -> bytes:
+        if self.head:
+            out, self.head = self.head[:n], self.head[n:]
+            return out
+        return self.stream.read(n)
+
+
+def _read_text(src: _Sniffed, path: str, fmt: str, opts: ReadOptions) -> Iterator[Record]:
+    limit = opts.max_doc_bytes
+    if fmt == "txt" and opts.txt_mode == "document":
+        raw = src.read(limit + 1)
+        while len(raw) <= limit and (more := src.read(limit + 1 - len(raw))):
+            raw += more
+        if len(raw) > limit:
+            yield Record(path, 0, reason=f"document larger than corpus.max_doc_bytes={limit} bytes")
+            return
+        text, reason = _decode(raw, "")
+        if text is not None and not text.strip():
+            text, reason = None, "empty document (whitespace only)"
+        yield Record(path, 0, text, reason)
+        return
+    for i, line in enumerate(_lines(src, limit)):
+        where = f"line {i + 1}: "
+        if line is None:
+            yield Record(path, i, reason=f"{where}longer than corpus.max_doc_bytes={limit} bytes")
+            continue
+        if not line.strip():
+            continue  # blank lines separate nothing and are not documents
+        text, reason = _decode(line, where)
+        if fmt == "jsonl" and text is not None:
+            text, reason = _json_field(text, opts.jsonl_field, where)
+        if text is not None and not text.strip():
+            text, reason = None, f"{where}empty document (whitespace only)"
+        yield Record(path, i, text, reason)
+
+
+def _json_field(line: str, field: str, where: str) -> tuple[str | None, str | None]:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        return None, f"{where}invalid JSON ({e.msg} at column {e.colno})"
+    value = obj.get(field) if isinstance(obj, dict) else None
+    if not isinstance(value, str):
+        return None, f"{where}no string field {field!r}; set corpus.jsonl_field to the field holding the text"
+    return value, None
+
+
+def _read_parquet(fs: pafs.FileSystem, fs_path: str, path: str, opts: ReadOptions) -> Iterator[Record]:
+    pf = pq.ParquetFile(fs.open_input_file(fs_path))
+    col = opts.parquet_column
+    if col not in pf.schema_arrow.names:
+        yield Record(path, 0, reason=f"no column {col!r} (columns: {', '.join(pf.schema_arrow.names)}); "
+                                     f"set corpus.parquet_column")
+        return
+    index = 0
+    for batch in pf.iter_batches(batch_size=1024, columns=[col]):
+        for value in batch.column(0).to_pylist():
+            where = f"row {index}: "
+            if isinstance(value, bytes):
+                value, reason = _decode(value, where)
+                if reason:
+                    yield Record(path, index, reason=reason)
+                    index += 1
+                    continue
+            if not isinstance(value, str):
+                yield Record(path, index, reason=f"{where}{col!r} is {type(value).__name__}, not text")
+            elif len(value) > opts.max_doc_bytes // 4 and len(value.encode()) > opts.max_doc_bytes:
+                yield Record(path, index, reason=f"{where}larger than corpus.max_doc_bytes={opts.max_doc_bytes} bytes")
+            elif not value.strip():
+                yield Record(path, index, reason=f"{where}empty document (whitespace only)")
+            else:
+                yield Record(path, index, value)
+            index += 1
+
+
+def read_file(path: str, opts: ReadOptions) -> Iterator[Record]:
+    """Documents and rejections of one file, in order. Never raises for bad input: a file that
+    cannot be opened, decompressed or parsed yields a rejection (after the records read before
+    the failure, which are kept), so one corrupt file never stops the corpus."""
+    fmt, codec = file_kind(path)
+    if fmt is None:
+        yield Record(path, -1, reason=f"unsupported file type; use {', '.join(sorted(FORMATS))} "
+                                      f"(optionally {', '.join(sorted(COMPRESSION))}, not around .parquet)")
+        return
+    produced = 0
+    try:
+        fs, fs_path = _open_fs(path)
+        if fmt == "parquet":
+            records = _read_parquet(fs, fs_path, path, opts)
+        else:
+            src = _Sniffed(fs.open_input_stream(fs_path, compression=codec))
+            if b"\x00" in src.head:
+                yield Record(path, -1, reason=f"binary content (NUL bytes in the first {SNIFF_BYTES} bytes); "
+                                              f"not a UTF-8 text file")
+                return
+            records = _read_text(src, path, fmt, opts)
+        for record in records:
+            produced += 1
+            yield record
+    except READ_ERRORS as e:
+        what = "cannot open" if produced == 0 else f"read failed after {produced} records"
+        yield Record(path, -1, reason=f"{what}: {type(e).__name__}: {e}")
+        return
+    if produced == 0:
+        yield Record(path, -1, reason="file contains no documents (empty)")
