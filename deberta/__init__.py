@@ -1,0 +1,37 @@
+"""DeBERTa model library: torch only (no Ray, DeepSpeed or MLflow; `transformers` only in `deberta.hf`).
+
+    from deberta import DebertaForMaskedLM, SpanMasker, deberta_1_5b
+"""
+
+from deberta.config import (
+    PRESETS,
+    DebertaConfig,
+    debug,
+    deberta_1_5b,
+    deberta_base,
+    deberta_large,
+    num_parameters,
+    padded_vocab_size,
+)
+from deberta.flops import train_flops_per_token
+from deberta.masking import SpanMasker, word_starts_from_pieces
+from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification, DebertaModel
+from deberta.sift import sift_loss
+
+__all__ = [
+    "PRESETS",
+    "DebertaConfig",
+    "DebertaForMaskedLM",
+    "DebertaForSequenceClassification",
+    "DebertaModel",
+    "SpanMasker",
+    "debug",
+    "deberta_1_5b",
+    "deberta_base",
+    "deberta_large",
+    "num_parameters",
+    "padded_vocab_size",
+    "sift_loss",
+    "train_flops_per_token",
+    "word_starts_from_pieces",
+]

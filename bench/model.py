@@ -1,0 +1,233 @@
+"""Benchmark: our `deberta` model vs HF `transformers` DeBERTa-v2, side by side, same config/batch/length.
+
+(a) backbone   forward + backward of `DebertaModel` vs `transformers.DebertaV2Model` (like for like:
+               identical weights, loss = mean of squared last hidden states).
+(b) mlm        the MLM training step each library offers: ours = `DebertaForMaskedLM` (layers 1..L-1,
+               Enhanced Mask Decoder on the targets only, LM head on the targets only) vs
+               `transformers.DebertaV2ForMaskedLM(legacy=False)` (all L layers, no EMD, LM head at every
+               position). Same token ids and 15% targets. Not the same model: HF has no EMD.
+
+Both run in training mode (dropout on), forward + backward, no optimizer step (identical for both).
+Timing: both libraries in one process, steps interleaved, fastest step reported (robust to load
+from other processes on a shared machine). Memory: one subprocess per library so numbers do not mix.
+Peak memory: on CPU, the growth of the process's peak RSS (`resource.getrusage` ru_maxrss) over the
+steps, measured from after the model and inputs were built (so it counts activations, gradients and
+allocator caches, not weights); on CUDA, `torch.cuda.max_memory_allocated` over the same span.
+
+    python bench/model.py                                    # CPU fp32, base width, 2 layers
+    python bench/model.py --device cuda --dtype bf16 --like 1.5b --layers 8 --tokens 16384
+Prints one JSON object (also written to --json) and a table; never asserted in tests.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Run as `python bench/model.py`, Python puts bench/ first on sys.path, where sibling benchmarks
+# (bench/tokenize.py) shadow stdlib modules: swap it for the repository root before importing more.
+_BENCH_DIR = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH_DIR]
+sys.path.insert(0, str(_BENCH_DIR.parent))
+
+import argparse  # noqa: E402 (after the sys.path fix above)
+import json  # noqa: E402
+import resource  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+from deberta import flops  # noqa: E402
+from deberta.config import DebertaConfig, deberta_1_5b, deberta_base  # noqa: E402
+from deberta.masking import SpanMasker  # noqa: E402
+
+LIKE = {"base": deberta_base, "1.5b": deberta_1_5b}
+
+
+def build_config(args: argparse.Namespace) -> DebertaConfig:
+    return LIKE[args.like](vocab_size=args.vocab, num_hidden_layers=args.layers)
+
+
+def _inputs(cfg: DebertaConfig, batch: int, seq: int, device: str):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, cfg.vocab_size - 1, (batch, seq), generator=g)
+    ids[:, 0], ids[:, -1] = 1, 2  # [CLS] ... [SEP]
+    masker = SpanMasker(cfg.vocab_size, mask_id=cfg.vocab_size - 1, special_ids=[0, 1, 2], word_start=None, seed=0)
+    masked, labels = masker(ids)
+    mask = torch.ones_like(ids)
+    return masked.to(device), mask.to(device), labels.to(device)
+
+
+def _models(cfg: DebertaConfig, impl: str, task: str):
+    """(module, step function) for one library and task; HF weights copied from ours."""
+    from deberta import hf
+    from deberta.model import DebertaForMaskedLM, DebertaModel
+
+    torch.manual_seed(0)
+    ours = DebertaModel(cfg) if task == "backbone" else DebertaForMaskedLM(cfg)
+    model = ours if impl == "ours" else hf.to_transformers(ours)
+    if impl == "ours" and task == "backbone":
+        def step(ids, mask, labels):
+            return model(ids, mask)["last_hidden_state"].float().square().mean()
+    elif impl == "ours":
+        def step(ids, mask, labels):
+            return model(ids, mask, labels)["loss"]
+    elif task == "backbone":
+        def step(ids, mask, labels):
+            return model(input_ids=ids, attention_mask=mask).last_hidden_state.float().square().mean()
+    else:
+        def step(ids, mask, labels):
+            return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    return model, step
+
+
+def _peak_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _setup(args: argparse.Namespace, impl: str, task: str, seq: int):
+    cfg = build_config(args)
+    model, step = _models(cfg, impl, task)
+    model.to(args.device).train()
+    batch = max(1, args.tokens // seq)
+    return cfg, model, step, batch, _inputs(cfg, batch, seq, args.device)
+
+
+def _train_step(args: argparse.Namespace, model, step, inputs) -> float:
+    """One forward + backward; returns wall seconds (device-synchronised)."""
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    autocast = torch.autocast(device_type=args.device.split(":")[0], dtype=torch.bfloat16, enabled=args.dtype == "bf16")
+    sync()
+    t0 = time.perf_counter()
+    with autocast:
+        loss = step(*inputs)
+    loss.backward()
+    model.zero_grad(set_to_none=False)
+    sync()
+    return time.perf_counter() - t0
+
+
+def time_worker(spec: dict) -> list[dict]:
+    """Both libraries in one process, steps interleaved (ours, HF, ours, ...) so that load from other
+    processes hits both alike; the fastest step is reported (the least disturbed), the median too."""
+    args, task, seq = argparse.Namespace(**spec["args"]), spec["task"], spec["seq"]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    setups = {impl: _setup(args, impl, task, seq) for impl in ("ours", "hf")}
+    times: dict[str, list[float]] = {impl: [] for impl in setups}
+    for i in range(args.warmup + args.steps):
+        for impl, (_, model, step, _, inputs) in setups.items():
+            t = _train_step(args, model, step, inputs)
+            if i >= args.warmup:
+                times[impl].append(t)
+    out = []
+    for impl, (cfg, _, _, batch, _) in setups.items():
+        best = min(times[impl])
+        r = {"impl": impl, "task": task, "seq": seq, "batch": batch, "step_s_min": best,
+             "step_s_median": statistics.median(times[impl]), "tokens_per_s": batch * seq / best}
+        device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+        peak = flops.peak_flops(device_name, args.dtype)
+        if peak:
+            fl_task = task if impl == "ours" or task == "backbone" else "mlm_full_head"
+            r["mfu"] = flops.mfu(r["tokens_per_s"], flops.train_flops_per_token(cfg, seq, fl_task), peak)
+        out.append(r)
+    return out
+
+
+def memory_worker(spec: dict) -> dict:
+    """Peak memory of one library's training step, alone in this process (see module docstring)."""
+    args, impl = argparse.Namespace(**spec["args"]), spec["impl"]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    _, model, step, _, inputs = _setup(args, impl, spec["task"], spec["seq"])
+    cuda = args.device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else _peak_bytes(args.device)
+    for _ in range(2):
+        _train_step(args, model, step, inputs)
+    return {"peak_mem_mb": (_peak_bytes(args.device) - base) / 2**20}
+
+
+def _spawn(spec: dict):
+    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench worker {spec} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_all(args: argparse.Namespace) -> dict:
+    results = []
+    worker_args = {k: v for k, v in vars(args).items() if k not in ("json", "worker")}
+    for task in args.tasks:
+        for seq in args.seq:
+            spec = {"args": worker_args, "mode": "time", "task": task, "seq": seq}
+            rows = _spawn(spec)
+            for r in rows:
+                r.update(_spawn({**spec, "mode": "memory", "impl": r["impl"]}))
+            results += rows
+            print(f"  done {task:8s} seq={seq}", file=sys.stderr)
+    cfg = build_config(args)
+    return {"config": cfg.to_dict(), "device": args.device, "dtype": args.dtype,
+            "threads": args.threads or torch.get_num_threads(), "tokens_per_step": args.tokens, "steps": args.steps,
+            "timing": "fastest of the interleaved steps (median also given)",
+            "memory": "CUDA max_memory_allocated growth" if args.device.startswith("cuda")
+            else "peak RSS growth (ru_maxrss) over 2 steps, one process per library",
+            "results": results}
+
+
+def table(report: dict) -> str:
+    rows = ["| task | seq | batch | ours tok/s | HF tok/s | speed-up | ours peak MB | HF peak MB | ours MFU | HF MFU |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    by = {(r["impl"], r["task"], r["seq"]): r for r in report["results"]}
+    for (impl, task, seq), ours in by.items():
+        if impl != "ours":
+            continue
+        theirs = by[("hf", task, seq)]
+        mfu = [f"{r['mfu']:.1%}" if "mfu" in r else "-" for r in (ours, theirs)]
+        rows.append(f"| {task} | {seq} | {ours['batch']} | {ours['tokens_per_s']:.0f} | {theirs['tokens_per_s']:.0f} | "
+                    f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x | {ours['peak_mem_mb']:.0f} | "
+                    f"{theirs['peak_mem_mb']:.0f} | {mfu[0]} | {mfu[1]} |")
+    return "\n".join(rows)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--like", choices=sorted(LIKE), default="base", help="width and relative-position style")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=32_000, help="embedding rows (the full HF head scales with it)")
+    p.add_argument("--seq", type=int, nargs="+", default=[128, 512])
+    p.add_argument("--tokens", type=int, default=1024, help="tokens per step; batch = tokens // seq")
+    p.add_argument("--tasks", nargs="+", default=["backbone", "mlm"], choices=["backbone", "mlm"])
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        spec = json.loads(args.worker)
+        print(json.dumps(time_worker(spec) if spec["mode"] == "time" else memory_worker(spec)))
+        return
+    report = run_all(args)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text)
+    print()
+    print(table(report))
+
+
+if __name__ == "__main__":
+    main()

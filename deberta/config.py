@@ -1,0 +1,238 @@
+"""Typed, frozen model configuration and the size presets of SPEC.md.
+
+The field names follow `transformers.DebertaV2Config` wherever the concept exists there, so that
+`deberta.hf` converts configurations field by field. Fields that HF spells differently (or encodes
+as strings) are documented with their HF equivalent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+ATTN_IMPLS = ("sdpa", "math")
+
+
+@dataclass(frozen=True)
+class DebertaConfig:
+    """Architecture of a DeBERTa backbone (post-LayerNorm transformer with disentangled attention)."""
+
+    vocab_size: int
+    """Rows of the word-embedding table (and columns of the LM head). Must be >= the tokenizer length;
+    pad it up with `padded_vocab_size` (the reference 1.5B uses 128,100 rows for 128,001 tokens)."""
+
+    hidden_size: int
+    """Width H of every hidden state; also the width of the relative position table."""
+
+    num_hidden_layers: int
+    """Number of transformer layers L. The MLM's Enhanced Mask Decoder reuses the last one."""
+
+    num_attention_heads: int
+    """Heads per layer; head size d = hidden_size / num_attention_heads (64 in every preset)."""
+
+    intermediate_size: int
+    """Width of the feed-forward layer (4H in every preset)."""
+
+    hidden_dropout_prob: float = 0.1
+    """Dropout on hidden states (embedding output, attention and FFN outputs, conv output) and on the
+    relative position table before each layer's projection."""
+
+    attention_probs_dropout_prob: float = 0.1
+    """Dropout on the attention probabilities."""
+
+    max_position_embeddings: int = 512
+    """Longest sequence; rows of the EMD's absolute position table (the backbone has no absolute table)."""
+
+    position_buckets: int = 0
+    """Number of log buckets for relative positions (256 for 1.5B); 0 = no buckets (HF: -1).
+    With buckets, the attention span is position_buckets; |i-j| <= position_buckets/2 stays exact."""
+
+    max_relative_positions: int = -1
+    """Largest relative distance k (HF semantics): -1 means max_position_embeddings. Without buckets the
+    attention span is k; with buckets it is the `max_position` of the log mapping."""
+
+    share_att_key: bool = False
+    """True (1.5B): position queries/keys reuse the content query/key projections, biases included.
+    False (base/large): separate `pos_query_proj` / `pos_key_proj`."""
+
+    conv_kernel_size: int = 0
+    """Kernel of the convolution beside the first layer (3 for 1.5B); 0 = no convolution."""
+
+    norm_rel_ebd: bool = True
+    """Apply `encoder.LayerNorm` to the relative position table (HF: norm_rel_ebd="layer_norm")."""
+
+    layer_norm_eps: float = 1e-7
+    """Epsilon of every LayerNorm."""
+
+    pad_token_id: int = 0
+    """[PAD] id; its embedding row gets no gradient (HF `padding_idx`)."""
+
+    initializer_range: float = 0.02
+    """Std of the normal init of linear and embedding weights (HF `_init_weights`)."""
+
+    attn_impl: str = "sdpa"
+    """"sdpa": c2p+p2c as an additive bias to torch's fused scaled_dot_product_attention;
+    "math": the same equation written out (softmax(QK^T*s + bias) V), kept as the exact fallback."""
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"DebertaConfig: hidden_size={self.hidden_size} is not a multiple of "
+                f"num_attention_heads={self.num_attention_heads}; pick heads so that hidden/heads is an integer"
+            )
+        if self.attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"DebertaConfig: attn_impl={self.attn_impl!r}; choose one of {ATTN_IMPLS}")
+        if self.position_buckets < 0 or self.position_buckets % 2:
+            raise ValueError(
+                f"DebertaConfig: position_buckets={self.position_buckets} must be 0 (no buckets) or a positive even number"
+            )
+        if self.vocab_size <= self.pad_token_id:
+            raise ValueError(f"DebertaConfig: vocab_size={self.vocab_size} must exceed pad_token_id={self.pad_token_id}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def max_relative(self) -> int:
+        """k of the references: the relative distance range (or the log mapping's max position)."""
+        return self.max_relative_positions if self.max_relative_positions > 0 else self.max_position_embeddings
+
+    @property
+    def att_span(self) -> int:
+        """Span s of the relative table: it has 2s rows and r(i,j) is clamped to [0, 2s-1]."""
+        return self.position_buckets if self.position_buckets > 0 else self.max_relative
+
+    def replace(self, **changes) -> "DebertaConfig":
+        """A copy with some fields changed (the config is frozen)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DebertaConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"DebertaConfig.from_dict: unknown fields {unknown}; known fields are {sorted(names)}")
+        return cls(**d)
+
+
+# The reference 1.5B vocabulary: 128,000 SentencePiece pieces + [MASK] = 128,001 tokens, padded to 128,100 rows.
+REFERENCE_VOCAB_ROWS = 128_100
+
+
+def padded_vocab_size(tokenizer_len: int, multiple: int = 100) -> int:
+    """Embedding rows for a tokenizer: the smallest multiple of `multiple` >= tokenizer_len.
+
+    The reference pads 128,001 tokens to 128,100 rows; rows past the tokenizer are never looked up
+    (multiple=128 is kinder to GPU matmul tiles, 100 reproduces the reference count).
+    """
+    if tokenizer_len < 1 or multiple < 1:
+        raise ValueError(f"padded_vocab_size: tokenizer_len={tokenizer_len} and multiple={multiple} must be >= 1")
+    return int(math.ceil(tokenizer_len / multiple) * multiple)
+
+
+def deberta_1_5b(vocab_size: int = REFERENCE_VOCAB_ROWS, **overrides) -> DebertaConfig:
+    """The paper's 1.5B model (reference `deberta-v2-xxlarge`): 48 x 1536, 24 heads, 256 log buckets over 512,
+    shared position/content projections, conv beside layer 1. 1,564,549,632 parameters at 128,100 rows."""
+    base = dict(
+        vocab_size=vocab_size,
+        hidden_size=1536,
+        num_hidden_layers=48,
+        num_attention_heads=24,
+        intermediate_size=6144,
+        position_buckets=256,
+        max_relative_positions=-1,
+        share_att_key=True,
+        conv_kernel_size=3,
+    )
+    return DebertaConfig(**{**base, **overrides})
+
+
+def deberta_large(vocab_size: int = REFERENCE_VOCAB_ROWS, **overrides) -> DebertaConfig:
+    """DeBERTa-large (paper): 24 x 1024, 16 heads, k = 512 without buckets, separate position projections."""
+    base = dict(
+        vocab_size=vocab_size,
+        hidden_size=1024,
+        num_hidden_layers=24,
+        num_attention_heads=16,
+        intermediate_size=4096,
+        position_buckets=0,
+        max_relative_positions=-1,
+        share_att_key=False,
+        conv_kernel_size=0,
+    )
+    return DebertaConfig(**{**base, **overrides})
+
+
+def deberta_base(vocab_size: int = REFERENCE_VOCAB_ROWS, **overrides) -> DebertaConfig:
+    """DeBERTa-base (paper): 12 x 768, 12 heads, k = 512 without buckets, separate position projections."""
+    base = dict(
+        vocab_size=vocab_size,
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        position_buckets=0,
+        max_relative_positions=-1,
+        share_att_key=False,
+        conv_kernel_size=0,
+    )
+    return DebertaConfig(**{**base, **overrides})
+
+
+def debug(vocab_size: int = 1000, **overrides) -> DebertaConfig:
+    """CPU-sized model shaped like the 1.5B (log buckets, shared keys, conv): 3 x 64, 2 heads of 32.
+
+    Buckets are scaled down with the sequence (16 buckets over 128 positions) so that short test sequences
+    already exercise the log region of the bucket mapping.
+    """
+    base = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        intermediate_size=256,
+        max_position_embeddings=128,
+        position_buckets=16,
+        max_relative_positions=-1,
+        share_att_key=True,
+        conv_kernel_size=3,
+    )
+    return DebertaConfig(**{**base, **overrides})
+
+
+PRESETS: dict[str, Callable[..., DebertaConfig]] = {
+    "debug": debug,
+    "deberta-base": deberta_base,
+    "deberta-large": deberta_large,
+    "deberta-1.5b": deberta_1_5b,
+}
+
+
+def num_parameters(cfg: DebertaConfig, model: str = "backbone") -> int:
+    """Parameter count, computed by building the model on the meta device (no memory is allocated).
+
+    model: "backbone" (`DebertaModel`, comparable to `transformers.DebertaV2Model`), "mlm"
+    (`DebertaForMaskedLM`: + LM head + the EMD's absolute position table; the decoder is tied) or
+    "classification" (`DebertaForSequenceClassification` with two labels).
+    """
+    from deberta import model as m  # local import: config must stay importable without building modules
+
+    builders = {
+        "backbone": lambda: m.DebertaModel(cfg),
+        "mlm": lambda: m.DebertaForMaskedLM(cfg),
+        "classification": lambda: m.DebertaForSequenceClassification(cfg, num_labels=2, classifier_dropout=0.0),
+    }
+    if model not in builders:
+        raise ValueError(f"num_parameters: model={model!r}; choose one of {sorted(builders)}")
+    with torch.device("meta"):
+        module = builders[model]()
+    # parameters() already de-duplicates tied tensors (the LM decoder is the word embedding)
+    return sum(p.numel() for p in module.parameters())
