@@ -296,7 +296,7 @@ def _write_single(ds, path: Path, schema: pa.Schema) -> None:
     parts = sorted(tmp.glob("*.parquet"))
     table = pq.read_table(parts[0], schema=schema) if parts else schema.empty_table()
     pq.write_table(table, path)
-    shutil.rmtree(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)  # Ray writes no directory for an empty dataset
 
 
 def _write_split(ds, split_dir: Path, rows_per_shard: int) -> int:

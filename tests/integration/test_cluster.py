@@ -1,0 +1,236 @@
+"""The pipeline as a Ray job on a cluster: `ray_cluster.yaml`, `cluster/local.sh`, `ray job submit` end to end.
+
+The local cluster is the one `cluster/local.sh up` starts (a head plus a second raylet on this machine,
+token auth, everything on 127.0.0.1); jobs are submitted with the same command the README shows.
+Run inside the loopback-only network namespace `make test` creates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+LOCAL_SH = REPO / "cluster" / "local.sh"
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+# README "Run on a cluster", local cluster: the submission, then the pipeline's arguments.
+SUBMIT = 'ray job submit --working-dir . --runtime-env-json "$(python -m cluster.runtime_env)" --'
+# A debug run shrunk to minutes on 2 cores: small vocabulary, 2 tokenizer actors (not one per logical
+# CPU), 20 pretraining steps spread over both nodes, a one-point fine-tuning grid of one epoch on 500
+# examples.
+SHRINK = ["--set", "vocab.vocab_size=600", "--set", "model.vocab_size=700", "--set", "tokenize.max_seq_len=64",
+          "--set", "tokenize.num_workers=2",
+          "--set", "pretrain.max_steps=20", "--set", "pretrain.eval_interval=10", "--set", "pretrain.ckpt_interval=10",
+          "--set", "pretrain.eval_batches=2", "--set", "pretrain.placement_strategy=SPREAD",
+          "--set", "finetune.lr=3e-4", "--set", "finetune.dropout=0.0", "--set", "finetune.warmup_steps=5",
+          "--set", "finetune.epochs=1", "--set", "finetune.max_seq_len=64", "--set", "finetune.max_train_examples=500"]
+
+
+# ----------------------------------------------------------------------------------------------- ray_cluster.yaml
+
+def test_cluster_yaml_validates_and_exposes_only_ssh():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    raw = yaml.safe_load((REPO / "ray_cluster.yaml").read_text())
+    config = prepare_config(raw)  # merges the AWS defaults, as `ray up` does
+    validate_config(config)  # Ray's JSON schema + node-type checks
+
+    types = config["available_node_types"]
+    head = types[config["head_node_type"]]
+    assert head["resources"].get("GPU", 0) == 0
+    gpu = [t for name, t in types.items() if t["resources"].get("GPU", 0) == 8]
+    cpu = [t for name, t in types.items() if name != config["head_node_type"] and t["resources"].get("GPU", 0) == 0]
+    assert gpu and gpu[0]["max_workers"] > gpu[0].get("min_workers", 0) and cpu
+    assert sum(t.get("min_workers", 0) for t in types.values()) <= config["max_workers"]
+
+    # Install steps of the Makefile, in its order: torch, DeepSpeed (no build isolation, no ops), the project.
+    setup = config["setup_commands"]
+    order = [next(i for i, c in enumerate(setup) if pat in c)
+             for pat in ("torch==", "deepspeed==", "pip install --quiet -e .")]
+    assert order == sorted(order)
+    ds = setup[order[1]]
+    assert "--no-build-isolation" in ds and "DS_BUILD_OPS=0" in ds
+    assert "~/deberta" in config["file_mounts"]
+
+    # The head runs MLflow (sqlite on shared storage) and binds the dashboard to loopback.
+    head_cmds = " ".join(config["head_start_ray_commands"])
+    assert "mlflow_server.sh start" in head_cmds and "MLFLOW_SERVER_DIR=/mnt/shared" in head_cmds
+    assert "--dashboard-host=127.0.0.1" in head_cmds
+    every_cmd = " ".join(str(c) for key in ("setup_commands", "head_setup_commands", "worker_setup_commands",
+                                            "head_start_ray_commands", "worker_start_ray_commands")
+                         for c in config[key])
+    assert "0.0.0.0" not in every_cmd
+
+    # Ingress: Ray adds SSH (22) and intra-cluster rules to the group it creates; we add nothing, and
+    # no node type brings its own security group or a public-facing interface.
+    assert config["provider"]["security_group"].get("IpPermissions", []) == []
+    for t in types.values():
+        node = t["node_config"]
+        assert "SecurityGroupIds" not in node and "NetworkInterfaces" not in node
+    assert "8265" not in json.dumps(config["provider"]) and "5000" not in json.dumps(config["provider"])
+
+
+def test_runtime_env_leaves_out_venv_and_outputs_and_forwards_mlflow():
+    env = dict(os.environ, MLFLOW_TRACKING_URI="http://127.0.0.1:5000")
+    out = subprocess.run([sys.executable, "-m", "cluster.runtime_env"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=60, check=True)
+    runtime_env = json.loads(out.stdout)
+    assert {".venv/", "workdir/", ".git/"} <= set(runtime_env["excludes"]) and "working_dir" not in runtime_env
+    assert runtime_env["env_vars"] == {"MLFLOW_TRACKING_URI": "http://127.0.0.1:5000"}
+
+
+# ----------------------------------------------------------------------------------------------- the local cluster
+
+@dataclass
+class LocalCluster:
+    state: Path
+    env: dict[str, str]
+    """Environment of a client: this venv first on PATH, RAY_ADDRESS and the token settings `up` printed."""
+    sessions: tuple[int, ...]
+    """Process sessions of the head and the worker `ray start --block` (pids recorded by local.sh)."""
+
+    def sh(self, args: list[str] | str, timeout: float = 300, **env) -> subprocess.CompletedProcess:
+        cmd = ["bash", "-c", args] if isinstance(args, str) else [str(LOCAL_SH), *args]
+        return subprocess.run(cmd, cwd=REPO, env=dict(self.env, **env), capture_output=True, text=True,
+                              timeout=timeout)
+
+    def processes(self) -> list[str]:
+        """Every live process of this cluster: in its sessions, naming the state dir, or working inside it."""
+        found = []
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit() or int(proc.name) == os.getpid():
+                continue
+            try:
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                cwd = os.readlink(proc / "cwd") if (proc / "cwd").exists() else ""
+                if (os.getsid(int(proc.name)) in self.sessions or f"{self.state}/" in cmdline
+                        or cwd.startswith(f"{self.state}/")):
+                    found.append(f"{proc.name}: {cmdline[:200]}")
+            except (OSError, ProcessLookupError):
+                continue
+        return found
+
+
+def exports(text: str) -> dict[str, str]:
+    return dict(line[len("export "):].split("=", 1) for line in text.splitlines() if line.startswith("export "))
+
+
+@pytest.fixture(scope="module")
+def ray_cluster_2_nodes():
+    """`cluster/local.sh up` in a short state dir (Ray's socket paths must stay under 108 bytes)."""
+    state = Path(tempfile.mkdtemp(prefix="lc", dir="/tmp"))
+    env = dict(os.environ, LOCAL_CLUSTER_DIR=str(state), PATH=f"{BIN}:{os.environ['PATH']}")
+    up = subprocess.run([str(LOCAL_SH), "up"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert up.returncode == 0, up.stdout + up.stderr
+    client = exports(up.stdout)
+    assert client["RAY_ADDRESS"] == "http://127.0.0.1:8265" and Path(client["RAY_AUTH_TOKEN_PATH"]).is_file()
+    sessions = tuple(int((state / f"{n}.pid").read_text()) for n in ("head", "worker"))
+    cluster = LocalCluster(state, dict(env, **client), sessions)
+    try:
+        yield cluster
+    finally:
+        cluster.sh(["down"], timeout=120)  # no-op when test_down_leaves_no_process already ran
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def node_ids(cluster: LocalCluster) -> dict[str, str]:
+    """Custom resource (node_head / node_worker) -> Ray node id, from the state API."""
+    out = cluster.sh(f"ray list nodes --detail --format json --address {cluster.env['RAY_ADDRESS']}", timeout=120)
+    assert out.returncode == 0, out.stderr
+    nodes = json.loads(out.stdout)
+    return {r: n["node_id"] for n in nodes if n["state"] == "ALIVE"
+            for r in n["resources_total"] if r.startswith("node_")}
+
+
+def submit(cluster: LocalCluster, args: list[str], submission_id: str, timeout: float, **env):
+    """The README's `ray job submit` (blocking: streams the logs, exit 0 only on SUCCEEDED)."""
+    cmd = SUBMIT.replace("ray job submit", f"ray job submit --submission-id {submission_id}", 1)
+    cmd += " python -m pipeline.run " + " ".join(shlex.quote(a) for a in args)
+    started = time.time()
+    res = cluster.sh(cmd, timeout=timeout, **env)
+    status = cluster.sh(f"ray job status {submission_id}", timeout=60)
+    logs = cluster.sh(f"ray job logs {submission_id}", timeout=60)
+    return res, status.stdout + status.stderr, logs.stdout, time.time() - started
+
+
+def test_bad_preset_job_fails_fast_with_one_clear_line(ray_cluster_2_nodes, tmp_path):
+    res, status, logs, took = submit(ray_cluster_2_nodes, ["--preset", "nope", "--workdir", str(tmp_path / "wd")],
+                                     "bad-preset", timeout=180)
+    assert res.returncode != 0 and "Job 'bad-preset' failed" in status, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "error: unknown preset 'nope'; choose one of:" in logs, logs[-2000:]
+    assert "Traceback" not in logs, logs[-3000:]
+    assert not (tmp_path / "wd" / "artifacts").exists()
+    assert took < 90, f"bad preset took {took:.0f}s to fail"
+
+
+@pytest.fixture(scope="module")
+def small_corpus(news_jsonl, tmp_path_factory) -> Path:
+    """The first 400 real news articles, as a user's JSONL corpus (a path both nodes see)."""
+    out = tmp_path_factory.mktemp("corpus") / "news400.jsonl"
+    with open(news_jsonl) as src, open(out, "w") as dst:
+        for i, line in enumerate(src):
+            if i == 400:
+                break
+            dst.write(line)
+    return out
+
+
+@pytest.mark.skipif(not (REPO / "stages" / "pretrain.py").is_file() or not (REPO / "stages" / "finetune.py").is_file(),
+                    reason="needs every stage (stages/pretrain.py, stages/finetune.py)")
+def test_pipeline_job_end_to_end(ray_cluster_2_nodes, mlflow_server, small_corpus, tmp_path_factory):
+    from mlflow.tracking import MlflowClient
+
+    cluster = ray_cluster_2_nodes
+    workdir = tmp_path_factory.mktemp("shared") / "workdir"  # both raylets see this path
+    args = ["--preset", "debug", "--corpus", str(small_corpus), "--workdir", str(workdir), *SHRINK]
+    res, status, logs, took = submit(cluster, args, "pipeline-e2e", timeout=720, MLFLOW_TRACKING_URI=mlflow_server)
+    assert res.returncode == 0 and "Job 'pipeline-e2e' succeeded" in status, f"{status}\n{logs[-6000:]}\n{res.stderr[-2000:]}"
+    print(f"\npipeline job on 2 nodes: SUCCEEDED in {took:.0f}s")
+
+    # Both registered models, each tagged with the corpus artifact it descends from.
+    client = MlflowClient(mlflow_server)
+    pretrained = max(client.search_model_versions("name = 'deberta-debug-pretrained'"), key=lambda v: int(v.version))
+    champion = client.get_model_version_by_alias("deberta-debug-rotten-tomatoes", "champion")
+    corpus_id = pretrained.tags["corpus"]
+    assert corpus_id and champion.tags["corpus"] == corpus_id
+    assert champion.tags["pretrain"] == pretrained.tags["pretrain"]
+    assert (workdir / "artifacts" / "corpus" / corpus_id / "_SUCCESS").is_file()
+    # ... and the corpus stage's MLflow run names that artifact: the lineage closes.
+    exp = client.get_experiment_by_name("deberta-pipeline")
+    corpus_runs = client.search_runs([exp.experiment_id], "tags.`pipeline.stage` = 'corpus'")
+    assert [r.data.tags["pipeline.artifact_id"] for r in corpus_runs] == [corpus_id]
+    assert client.get_run(pretrained.run_id).data.tags["pipeline.artifact_id"] == pretrained.tags["pretrain"]
+
+    # The training workers ran on both nodes (pretrain records each rank's Ray node id).
+    metrics = json.loads((workdir / "artifacts" / "pretrain" / pretrained.tags["pretrain"] / "metrics.json").read_text())
+    nodes = node_ids(cluster)
+    assert set(nodes) == {"node_head", "node_worker"}
+    assert sorted(metrics["worker_nodes"]) == sorted(nodes.values()), (metrics["worker_nodes"], nodes)
+
+
+def test_down_leaves_no_process(ray_cluster_2_nodes):
+    """Runs last in this module: the cluster that served the jobs above is stopped and nothing remains."""
+    cluster = ray_cluster_2_nodes
+    status = cluster.sh(["status"], timeout=120)
+    assert status.returncode == 0 and "head: running" in status.stdout and "worker: running" in status.stdout
+    assert exports(status.stdout)["RAY_AUTH_TOKEN_PATH"] == cluster.env["RAY_AUTH_TOKEN_PATH"]
+    assert len(cluster.processes()) >= 6  # gcs, raylets, dashboard, ... are found by the same scan
+    down = cluster.sh(["down"], timeout=180)
+    assert down.returncode == 0, down.stderr
+    assert cluster.processes() == []
+    after = cluster.sh(["status"], timeout=60)
+    assert after.returncode != 0 and "head: stopped" in after.stdout
