@@ -41,7 +41,7 @@ def debug() -> PipelineConfig:
                                 warmup_steps=10, max_steps=60, eval_interval=20, eval_batches=8,
                                 ckpt_interval=20, log_interval=5),
         finetune=FinetuneConfig(task="rotten-tomatoes", dropout=(0.0, 0.1), warmup_steps=(50,),
-                                lr=(1e-4, 3e-4), batch_size=(32,), epochs=2, max_seq_len=64,
+                                lr=(1e-3, 2e-3), batch_size=(32,), epochs=3, max_seq_len=64,
                                 max_train_examples=2_000, max_concurrent_trials=2),
     )
 

@@ -1,0 +1,148 @@
+"""Full grid vs ASHA on the same task, grid, epoch cap and concurrency: cost and quality of the selection.
+
+    python -m bench.sweep [--pretrained ARTIFACT_DIR] [--task rotten-tomatoes] [--epochs 4] ...
+
+Runs the finetune stage's sweep (`stages.finetune.run_sweep`, the same Tune trainable) twice, once with every
+trial to the last epoch and once with ASHA (grace 1 epoch, reduction factor 2) cutting trials at rungs 1, 2,
+4, ... epochs. Reports trial-epochs spent, wall time, the best configuration of each and whether ASHA found
+the same one or one equally good (dev metric within --tolerance of the full grid's best). Without
+--pretrained it builds the tests' tiny real checkpoint (2k SentencePiece pieces, debug() MLM, 200 steps on
+review + news text). Prints one JSON object, then a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(","))
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0])
+    p.add_argument("--pretrained", type=Path, help="a pretrain artifact dir (model/ + tokenizer/); default: build tiny")
+    p.add_argument("--task", default="rotten-tomatoes")
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/bench-sweep"))
+    p.add_argument("--dropout", type=_floats, default=(0.0, 0.1))
+    p.add_argument("--warmup-steps", type=_ints, default=(20,))
+    p.add_argument("--lr", type=_floats, default=(1e-4, 3e-4, 1e-3, 3e-3))
+    p.add_argument("--batch-size", type=_ints, default=(32,))
+    p.add_argument("--seeds", type=_ints, default=(0,))
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--max-train-examples", type=int, default=2000)
+    p.add_argument("--max-seq-len", type=int, default=64)
+    p.add_argument("--concurrent", type=int, default=2)
+    p.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray (one per concurrent trial)")
+    p.add_argument("--tolerance", type=float, default=0.005, help="dev-metric gap that still counts as equally good")
+    return p.parse_args(argv)
+
+
+def _pretrained(args) -> Path:
+    if args.pretrained:
+        return args.pretrained
+    target = args.workdir / "tiny" / "pretrain"
+    if (target / "model" / "model.pt").is_file():
+        return target
+    import shutil
+
+    from pipeline.datasets import materialize_corpus
+    from stages.tasks import resolve_task
+    from tests.integration.test_finetune import build_tiny_pretrained  # the tests' tiny real checkpoint
+
+    shutil.rmtree(args.workdir / "tiny", ignore_errors=True)
+    news = materialize_corpus("news", args.workdir / "news")
+    texts = list(resolve_task("rotten-tomatoes").train.text_a)
+    texts += [json.loads(line)["text"] for line in news.read_text().splitlines()[:1500]]
+    return build_tiny_pretrained(args.workdir / "tiny", texts)[0].path
+
+
+def one_sweep(args, scheduler: str, setup, data, weights) -> dict:
+    import dataclasses
+
+    from stages import finetune
+
+    cfg = dataclasses.replace(setup.ft, scheduler=scheduler)
+    setup = dataclasses.replace(setup, ft=cfg)
+    metric = f"dev_{setup.metric}"
+    started = time.time()
+    grid = finetune.run_sweep(cfg, setup, data, weights, str(args.workdir / "ray_results"),
+                              f"bench-{scheduler}-{int(started)}")
+    wall = time.time() - started
+    table = finetune.results_table(grid, metric)
+    champ = finetune.pick_champion(table, metric)
+    return {"scheduler": scheduler, "trials": len(table), "trial_epochs": int(table["epochs"].sum()),
+            "wall_s": round(wall, 1), "best_metric": round(float(champ[metric]), 4),
+            "best_config": {k: float(champ[k]) for k in (*finetune.GRID_KEYS, "seed")},
+            "per_trial": {_key({k: row[k] for k in (*finetune.GRID_KEYS, "seed")}):
+                          {"epochs": int(row["epochs"]), metric: round(float(row[metric]), 4)}
+                          for _, row in table.iterrows()}}
+
+
+def _key(config: dict) -> str:
+    return ",".join(f"{k}={float(v):g}" for k, v in sorted(config.items()))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import ray
+
+    from deberta import checkpoint
+    from pipeline.config import FinetuneConfig
+    from stages import finetune
+    from stages.tasks import majority_baseline, resolve_task
+    from stages.vocab import Tokenizer
+
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    pre = _pretrained(args)
+    task = resolve_task(args.task)
+    cfg = FinetuneConfig(task=args.task, dropout=args.dropout, warmup_steps=args.warmup_steps, lr=args.lr,
+                         batch_size=args.batch_size, seeds=args.seeds, epochs=args.epochs,
+                         max_seq_len=args.max_seq_len, max_train_examples=args.max_train_examples,
+                         max_concurrent_trials=args.concurrent, cpus_per_trial=1)
+    model_cfg = checkpoint.load_config(pre / "model")
+    data = finetune.prepare_data(task, Tokenizer.load(pre / "tokenizer"), cfg)
+    setup = finetune.TrialSetup(model_cfg, task.num_labels, task.kind, task.metric, cfg)
+    weights = finetune.backbone_weights(pre / "model")
+    if not ray.is_initialized():
+        ray.init(num_cpus=args.num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False,
+                 object_store_memory=1 << 30)
+    full = one_sweep(args, "grid", setup, data, weights)
+    asha = one_sweep(args, "asha", setup, data, weights)
+    metric = f"dev_{task.metric}"
+    report = {
+        "task": task.name, "metric": metric, "majority_baseline": round(majority_baseline(task), 4),
+        "train_examples": len(data[0]), "dev_examples": len(data[1]), "grid_trials": finetune.grid_size(cfg),
+        "max_epochs": cfg.epochs, "concurrent_trials": cfg.max_concurrent_trials, "full": full, "asha": asha,
+        "same_best_config": full["best_config"] == asha["best_config"],
+        "asha_best_in_full_grid": full["per_trial"][_key(asha["best_config"])][metric],
+        "equally_good": abs(full["best_metric"] - asha["best_metric"]) <= args.tolerance,
+        "trial_epochs_saved": round(1 - asha["trial_epochs"] / full["trial_epochs"], 3),
+        "wall_time_ratio": round(asha["wall_s"] / full["wall_s"], 3),
+    }
+    print(json.dumps(report, indent=2))
+    print(f"\n{'scheduler':<10}{'trials':>7}{'trial-epochs':>14}{'wall s':>9}{metric:>16}  best config")
+    for r in (full, asha):
+        cfg_text = ", ".join(f"{k}={v:g}" for k, v in r["best_config"].items())
+        print(f"{r['scheduler']:<10}{r['trials']:>7}{r['trial_epochs']:>14}{r['wall_s']:>9.0f}"
+              f"{r['best_metric']:>16.4f}  {cfg_text}")
+    print(f"ASHA: {report['trial_epochs_saved']:.0%} fewer trial-epochs, {report['wall_time_ratio']:.2f}x the wall "
+          f"time; same best config: {report['same_best_config']}; equally good (±{args.tolerance}): "
+          f"{report['equally_good']}; majority baseline {report['majority_baseline']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""The finetune stage on real tasks and a tiny real pretrained checkpoint: Tune sweep, SiFT, registry, errors.
+
+The checkpoint is built here, not by stages/pretrain.py: a SentencePiece model (2k pieces) trained with the vocab
+stage's trainer on real review and news text, then a `deberta.config.debug()` MLM trained for a few hundred
+plain-torch steps on the same text, saved in the pretrain artifact's layout (model/ + tokenizer/).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from deberta import checkpoint
+from deberta.config import debug, padded_vocab_size
+from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification
+from pipeline.artifacts import Artifact
+from pipeline.config import FinetuneConfig, VocabConfig
+from pipeline.presets import GRID_1_5B, GRID_BASE, GRID_LARGE, PRESETS
+from stages import finetune
+from stages.base import StageContext, StageInputError
+from stages.tasks import resolve_task
+from stages.vocab import MODEL_FILE, SPECIAL_FILE, Tokenizer, train_model
+
+PIECES = 2_000
+SEQ = 64
+
+
+def build_tiny_pretrained(root: Path, texts: list[str], steps: int = 200, seed: int = 0) -> tuple[Artifact, Artifact]:
+    """A real (tiny) pretrained artifact: SentencePiece on `texts`, then `steps` MLM steps of debug()."""
+    from deberta.masking import SpanMasker
+
+    vocab_dir, model_root = root / "vocab", root / "pretrain"
+    vocab_dir.mkdir(parents=True)
+    sample = root / "sample.txt"
+    sample.write_text("\n".join(texts) + "\n")  # one paragraph per line, as the vocab stage writes it
+    train_model(VocabConfig(vocab_size=PIECES), sample, vocab_dir, num_threads=2)
+    tok = Tokenizer.load(vocab_dir / MODEL_FILE)
+    (vocab_dir / SPECIAL_FILE).write_text(json.dumps(tok.special_ids))
+
+    stream = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in tok.encode(texts)])  # packed, no framing
+    body = SEQ - 2
+    rows = stream[: len(stream) // body * body].reshape(-1, body)
+    seqs = np.concatenate([np.full((len(rows), 1), tok.cls_id), rows, np.full((len(rows), 1), tok.sep_id)], 1)
+    cfg = debug(vocab_size=padded_vocab_size(len(tok)))
+    torch.manual_seed(seed)
+    torch.set_num_threads(1)  # the 2 cores are shared: one thread is faster than two contending ones
+    model = DebertaForMaskedLM(cfg)
+    masker = SpanMasker(len(tok), tok.mask_id, tok.special_ids.values(),
+                        torch.from_numpy(tok.word_start_mask()), seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01, eps=1e-6)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, finetune.linear_schedule(30, steps))
+    rng = np.random.default_rng(seed)
+    losses = []
+    for step in range(steps):
+        batch = torch.from_numpy(seqs[rng.integers(0, len(seqs), 32)])  # (32, SEQ)
+        inputs, labels = masker(batch, step=step)
+        loss = model(inputs, torch.ones_like(inputs), labels=labels)["loss"]
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
+    assert np.mean(losses[-20:]) < np.mean(losses[:20]) - 1.0, "the tiny MLM did not learn"
+    checkpoint.save(model, cfg, model_root / "model")
+    shutil.copytree(vocab_dir, model_root / "tokenizer")
+    return Artifact("pretrain", "tiny-pretrain", model_root), Artifact("vocab", "tiny-vocab", vocab_dir)
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory, news_jsonl) -> tuple[Artifact, Artifact]:
+    task = resolve_task("rotten-tomatoes")  # train reviews only: dev text stays unseen
+    news = [json.loads(line)["text"] for line in news_jsonl.read_text().splitlines()[:1500]]
+    return build_tiny_pretrained(tmp_path_factory.mktemp("tiny"), list(task.train.text_a) + news)
+
+
+def _context(tmp: Path, tracker, art_id: str) -> StageContext:
+    return StageContext(artifact_id=art_id, workdir=tmp, scratch=tmp / "scratch", storage_path=str(tmp / "ray_results"),
+                        tracker=tracker, lineage={"pretrain": "tiny-pretrain", "corpus": "news+reviews",
+                                                  "vocab": "tiny-vocab"}, preset="debug")
+
+
+# ----------------------------------------------------------------------------------------------- the grids
+
+@pytest.mark.parametrize("preset, table9", [
+    ("deberta-1.5b", dict(dropout=[0, 0.15, 0.3], warmup_steps=[50, 100, 500, 1000], lr=[1e-6, 3e-6, 5e-6],
+                          batch_size=[16, 32, 64])),
+    ("deberta-large", dict(dropout=[0, 0.1, 0.15], warmup_steps=[50, 100, 500, 1000], lr=[5e-6, 8e-6, 9e-6, 1e-5],
+                           batch_size=[16, 32, 48, 64])),
+    ("deberta-base", dict(dropout=[0, 0.1, 0.15], warmup_steps=[50, 100, 500, 1000],
+                          lr=[1.5e-5, 2e-5, 3e-5, 4e-5], batch_size=[16, 32, 48, 64])),
+])
+def test_param_space_is_table9(preset, table9):
+    grids = {"deberta-1.5b": GRID_1_5B, "deberta-large": GRID_LARGE, "deberta-base": GRID_BASE}
+    cfg = PRESETS[preset]().finetune
+    space = finetune.param_space(cfg)
+    assert space == {**{k: {"grid_search": v} for k, v in table9.items()}, "seed": {"grid_search": list(cfg.seeds)}}
+    assert {k: list(v) for k, v in grids[preset].items()} == table9
+    assert finetune.grid_size(cfg) == np.prod([len(v) for v in table9.values()]) * len(cfg.seeds)
+    assert cfg.epochs == 10 and cfg.adam_eps == 1e-6 and (cfg.adam_beta1, cfg.adam_beta2) == (0.9, 0.999)
+    assert cfg.sift == (preset == "deberta-1.5b") and cfg.weight_decay == 0.01 and cfg.grad_clip == 1.0
+
+
+# ----------------------------------------------------------------------------------------------- the sweep
+
+def _overlapping(trial_dirs: dict[str, Path]) -> bool:
+    """Did at least two trials run at the same time (from Tune's own per-result timestamps)?"""
+    import pandas as pd
+
+    spans = []
+    for d in trial_dirs.values():
+        prog = pd.read_csv(d / "progress.csv")
+        spans.append((prog["timestamp"].iloc[0] - prog["time_this_iter_s"].iloc[0], prog["timestamp"].iloc[-1]))
+    return any(a0 < b1 and b0 < a1 for i, (a0, a1) in enumerate(spans) for (b0, b1) in spans[i + 1:])
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_sweep_beats_baseline_and_registers_champion(pretrained, ray_local, mlflow_server, tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.lineage import Lineage
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    lineage = Lineage(tmp_path)
+    lineage.start("finetune-test", {"preset": "debug"}, ["finetune"])
+    tracker = lineage.stage_run("finetune", "sweep-under-test", {"finetune": {}}, {}, cached=False)
+    cfg = FinetuneConfig(task="rotten-tomatoes", dropout=(0.0, 0.1), warmup_steps=(10,), lr=(1e-3, 2e-3),
+                         batch_size=(32,), epochs=2, max_seq_len=SEQ, max_train_examples=2_000,
+                         max_concurrent_trials=2, cpus_per_trial=1)
+    pre, vocab = pretrained
+    task = resolve_task(cfg.task)
+    model_cfg = checkpoint.load_config(pre.path / "model")
+    out = tmp_path / "out"
+    out.mkdir()
+    started = time.time()
+    result = finetune.run(cfg, model=model_cfg, inputs={"pretrain": pre, "vocab": vocab, "task": task}, out=out,
+                          ctx=_context(tmp_path, tracker, "sweep-under-test"))
+    print(f"sweep: {time.time() - started:.0f}s, {result.metrics}, {result.summary}")
+
+    # the sweep: every grid point ran under Tune, at least two at once, the best beats the majority class
+    import pandas as pd
+
+    table = pd.read_csv(out / "results.csv")
+    assert len(table) == 4 and set(table["lr"]) == {1e-3, 2e-3} and set(table["dropout"]) == {0.0, 0.1}
+    assert (table["epochs"] == 2).all() and result.counts["trial_epochs"] == 8
+    exp_dir = tmp_path / "ray_results" / "finetune-sweep-under-test"
+    trial_dirs = {p.name: p for p in exp_dir.iterdir() if (p / "progress.csv").is_file()}
+    assert len(trial_dirs) == 4 and _overlapping(trial_dirs)
+    baseline = result.metrics["majority_baseline"]
+    best = result.metrics["best_dev_accuracy"]
+    assert baseline == pytest.approx(0.5834, abs=1e-3) and best > baseline + 0.02, (best, baseline)
+    assert (out / "sweep.png").stat().st_size > 1_000
+
+    # the saved champion reproduces its dev accuracy
+    saved = json.loads((out / "model" / "finetune.json").read_text())
+    clf = DebertaForSequenceClassification(checkpoint.load_config(out / "model"), saved["num_labels"], 0.0)
+    clf.load_state_dict(torch.load(out / "model" / "model.pt", weights_only=True))
+    tok = Tokenizer.load(out / "model" / "tokenizer")
+    dev = finetune.encode_split(tok, task.dev, SEQ)
+    assert finetune.evaluate(clf, dev, task.kind, "cpu")["accuracy"] == pytest.approx(best, abs=1e-6)
+
+    # the registry: champion alias with lineage tags; every trial a nested run with per-epoch metrics
+    client = MlflowClient(mlflow_server)
+    mv = client.get_model_version_by_alias("deberta-debug-rotten-tomatoes", "champion")
+    assert result.summary["finetune"].startswith(f"deberta-debug-rotten-tomatoes v{mv.version} ")
+    assert mv.tags["pretrain"] == "tiny-pretrain" and mv.tags["corpus"] == "news+reviews"
+    assert mv.tags["sweep"] == "sweep-under-test" and mv.tags["task"] == task.id
+    trial_cfg = json.loads(mv.tags["trial_config"])
+    assert set(trial_cfg) == {"dropout", "warmup_steps", "lr", "batch_size", "seed"}
+    assert float(mv.tags["dev_accuracy"]) == pytest.approx(best, abs=1e-5)
+    files = {f.path for f in client.list_artifacts(tracker.run_id, "model")}
+    assert {"model/model.pt", "model/config.json", "model/finetune.json", "model/tokenizer"} <= files
+    children = client.search_runs([tracker.experiment_id], f"tags.mlflow.parentRunId = '{tracker.run_id}'")
+    assert len(children) == 4
+    for run in children:
+        assert {"dropout", "warmup_steps", "lr", "batch_size", "seed"} <= set(run.data.params)
+        assert run.info.status == "FINISHED"
+        history = client.get_metric_history(run.info.run_id, "dev_accuracy")
+        assert sorted(m.step for m in history) == [1, 2]
+
+
+# ----------------------------------------------------------------------------------------------- SiFT
+
+@pytest.mark.parametrize("task_name", ["rotten-tomatoes", "lee-sts"])
+def test_sift_changes_the_loss_and_still_trains(pretrained, task_name):
+    pre, _ = pretrained
+    task = resolve_task(task_name)
+    tok = Tokenizer.load(pre.path / "tokenizer")
+    cfg = FinetuneConfig(max_seq_len=SEQ, max_train_examples=512, sift=True)
+    train, _ = finetune.prepare_data(task, tok, cfg)
+    model_cfg = checkpoint.load_config(pre.path / "model")
+    weights = finetune.backbone_weights(pre.path / "model")
+    torch.manual_seed(0)
+    model = DebertaForSequenceClassification(model_cfg, task.num_labels, classifier_dropout=0.0, sift=True)
+    finetune.load_backbone(model, weights)
+    model.eval()  # no dropout: the two losses differ only by the SiFT term
+    batch = finetune._batch(train, np.arange(32), "cpu")
+    plain, _ = finetune.train_step(model, batch, None)
+    torch.manual_seed(1)
+    with_sift, term = finetune.train_step(model, batch, cfg.sift_lambda)
+    assert term > 0 and float(with_sift.detach()) == pytest.approx(float(plain.detach()) + term, rel=1e-5)
+
+    model.train()  # 8 epochs over 128 examples with the SiFT term on: the total loss must fall
+    opt = finetune.make_optimizer(model, 1e-3, cfg)
+    epochs, terms = [], []
+    for epoch in range(8):
+        losses = []
+        for start in range(0, 128, 32):
+            loss, term = finetune.train_step(model, finetune._batch(train, np.arange(start, start + 32), "cpu"),
+                                             cfg.sift_lambda)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+            losses.append(float(loss.detach()))
+            terms.append(term)
+        epochs.append(np.mean(losses))
+    assert epochs[-1] < 0.85 * epochs[0] and min(terms) > 0, (epochs, terms)
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+
+def test_missing_or_broken_pretrained_artifact_is_one_clear_message(pretrained, tracker, tmp_path):
+    pre, vocab = pretrained
+    task = resolve_task("rotten-tomatoes")
+    cfg = FinetuneConfig(max_seq_len=SEQ)
+    model_cfg = checkpoint.load_config(pre.path / "model")
+    ctx = _context(tmp_path, tracker, "bad")
+    with pytest.raises(StageInputError, match="needs the pretrained checkpoint.*--until pretrain"):
+        finetune.run(cfg, model=model_cfg, inputs={"vocab": vocab, "task": task}, out=tmp_path, ctx=ctx)
+    empty = Artifact("pretrain", "gone", tmp_path / "empty")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(StageInputError, match="missing model/model.pt.*--force pretrain"):
+        finetune.run(cfg, model=model_cfg, inputs={"pretrain": empty, "vocab": vocab, "task": task}, out=tmp_path,
+                     ctx=ctx)
+    other = model_cfg.replace(hidden_size=128)
+    with pytest.raises(StageInputError, match="built for another model.*hidden_size"):
+        finetune.run(cfg, model=other, inputs={"pretrain": pre, "vocab": vocab, "task": task}, out=tmp_path, ctx=ctx)
