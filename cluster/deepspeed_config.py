@@ -1,0 +1,70 @@
+"""The one place a DeepSpeed config is built from `PretrainConfig`.
+
+Table 8 lives in the stage config (lr, betas, eps, weight decay, warmup, steps, clipping); this module
+turns it into DeepSpeed's JSON: ZeRO stage, precision (bf16 on GPU, fp32 on CPU, where gloo has no bf16
+all-reduce worth having), the exact batch arithmetic, and DeepSpeed's `WarmupDecayLR` (linear warmup
+from 0, then linear decay to 0 at `max_steps`). The optimizer itself is a client `torch.optim.AdamW`
+built by the training loop (DeepSpeed's own Adam JIT-compiles a C++/CUDA op for minutes), so the JSON
+carries no "optimizer" section and allows ZeRO with an "untested" optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.config import ConfigError, PretrainConfig
+
+ZERO_STAGES = (0, 1, 2, 3)
+QUIET_STEPS = 10**9
+"""DeepSpeed prints its own progress every `steps_per_print`; the training loop prints ours instead."""
+
+
+def accumulation_steps(cfg: PretrainConfig, world_size: int) -> int:
+    """Micro-batches per optimizer step on each worker; raises ConfigError unless the batch splits exactly."""
+    if world_size < 1 or cfg.micro_batch_size < 1:
+        raise ConfigError(f"pretrain: world size {world_size} and micro_batch_size={cfg.micro_batch_size} must be >= 1")
+    per_pass = cfg.micro_batch_size * world_size
+    if cfg.train_batch_size % per_pass or cfg.train_batch_size < per_pass:
+        raise ConfigError(
+            f"pretrain.train_batch_size={cfg.train_batch_size} must equal micro_batch_size x accumulation x workers "
+            f"= {cfg.micro_batch_size} x k x {world_size} for a whole k >= 1; pick a multiple of {per_pass} "
+            f"(e.g. train_batch_size={per_pass * max(1, round(cfg.train_batch_size / per_pass))})")
+    return cfg.train_batch_size // per_pass
+
+
+def build_deepspeed_config(cfg: PretrainConfig, world_size: int, use_gpu: bool) -> dict[str, Any]:
+    """DeepSpeed JSON for `world_size` workers; every invariant DeepSpeed would assert deep inside is checked here."""
+    if cfg.zero_stage not in ZERO_STAGES:
+        raise ConfigError(f"pretrain.zero_stage={cfg.zero_stage}: DeepSpeed ZeRO stages are 0, 1, 2 and 3 "
+                          f"(2 shards optimizer state + gradients, 3 also parameters)")
+    accum = accumulation_steps(cfg, world_size)
+    if cfg.max_steps < 1 or cfg.warmup_steps < 0:
+        raise ConfigError(f"pretrain.max_steps={cfg.max_steps} must be >= 1 and warmup_steps={cfg.warmup_steps} >= 0")
+    zero: dict[str, Any] = {"stage": cfg.zero_stage}
+    if cfg.zero_stage >= 2:
+        zero.update(contiguous_gradients=True, overlap_comm=use_gpu, reduce_scatter=True)
+    if cfg.zero_stage == 3:
+        # lets `engine.save_16bit_model` gather a full state dict; the stage consolidates from the checkpoint
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return {
+        "train_batch_size": cfg.train_batch_size,
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": cfg.grad_clip,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,  # the client torch AdamW
+        "bf16": {"enabled": bool(use_gpu)},
+        "fp16": {"enabled": False},
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {
+                "warmup_min_lr": 0.0,
+                "warmup_max_lr": cfg.lr,
+                "warmup_num_steps": max(1, cfg.warmup_steps),  # DeepSpeed rejects 0 (and uses >= 2)
+                "warmup_type": "linear",
+                "total_num_steps": cfg.max_steps,
+            },
+        },
+        "steps_per_print": QUIET_STEPS,
+        "wall_clock_breakdown": False,
+    }

@@ -1,0 +1,346 @@
+"""Pretrain stage: DeBERTa MLM + EMD on Ray Train (`TorchTrainer`) with DeepSpeed ZeRO.
+
+Driver side (this module): check the config and inputs before any worker starts, stream the tokenised
+shards with Ray Data, run the trainer, then turn its last checkpoint into the artifact and register it
+in MLflow. The per-worker loop (DeepSpeed engine, span masking, eval, checkpoints) is
+`stages/pretrain_loop.py`; the DeepSpeed JSON comes from `cluster/deepspeed_config.py`.
+
+Recovery. Every `ckpt_interval` steps each worker saves its DeepSpeed shard and all of them report one
+Ray Train checkpoint (model, optimizer, scheduler, data position). A lost worker: Ray Train restarts the
+group (`FailureConfig.max_failures`) and the loop resumes from `ray.train.get_checkpoint()`. A restart of
+the whole stage (new driver, same artifact id): the run is named `pretrain-<artifact id>` under the same
+storage path, and Ray Train V2 reloads that run's checkpoint snapshot, so `get_checkpoint()` again
+returns the latest one (V2's replacement for the deprecated `TorchTrainer.restore`).
+
+Artifact:
+    model/config.json, model/model.pt   consolidated fp32 DebertaForMaskedLM (`deberta.checkpoint`)
+    tokenizer/spm.model, special_tokens.json
+    hf/                                 transformers DebertaV2ForMaskedLM export (backbone + LM head, no EMD)
+    metrics.json                        final train/validation numbers, throughput, where it ran
+    loss_curve.png                      train loss and validation loss per step
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from cluster.deepspeed_config import build_deepspeed_config
+from deberta.config import DebertaConfig
+from pipeline.artifacts import Artifact
+from pipeline.config import ConfigError, PretrainConfig
+from stages.base import StageContext, StageInputError, StageResult
+from stages.pretrain_loop import LoopJob, TrainState, train_loop_per_worker
+
+NAME = "pretrain"
+VERSION = "1"
+
+PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+PLAN_GPUS_PER_NODE = 8
+PLAN_DEVICE = "H100"
+PLAN_MFU = 0.40
+"""--dry-run assumptions: 8 GPUs per node, H100 bf16 dense peak (deberta.flops), 40% model-FLOPs utilisation."""
+
+
+# ----------------------------------------------------------------------------------------------- checks
+
+def check_config(cfg: PretrainConfig, model: DebertaConfig, tokenizer_len: int | None = None,
+                 seq_len: int | None = None, num_gpus: int | None = None) -> dict[str, Any]:
+    """Every invariant a user can break, as one StageInputError; returns the DeepSpeed config."""
+    try:
+        ds_config = build_deepspeed_config(cfg, cfg.num_workers, cfg.use_gpu)
+    except ConfigError as e:
+        raise StageInputError(str(e)) from None
+    problems = []
+    if cfg.placement_strategy not in PLACEMENTS:
+        problems.append(f"pretrain.placement_strategy={cfg.placement_strategy!r}: use one of {', '.join(PLACEMENTS)}")
+    for name in ("log_interval", "eval_interval", "ckpt_interval", "cpus_per_worker"):
+        if getattr(cfg, name) < 1:
+            problems.append(f"pretrain.{name}={getattr(cfg, name)}: must be >= 1")
+    if cfg.use_gpu and num_gpus is not None and num_gpus < cfg.num_workers:
+        problems.append(f"pretrain.use_gpu=true asks for {cfg.num_workers} GPUs but the Ray cluster has {num_gpus}; "
+                        f"add GPU nodes or set pretrain.use_gpu=false")
+    if tokenizer_len is not None and model.vocab_size < tokenizer_len:
+        problems.append(f"model.vocab_size={model.vocab_size} < tokenizer length {tokenizer_len} of the vocab "
+                        f"artifact; set model.vocab_size >= {tokenizer_len}")
+    if seq_len is not None and seq_len > model.max_position_embeddings:
+        problems.append(f"token sequences have {seq_len} tokens > model.max_position_embeddings="
+                        f"{model.max_position_embeddings}; re-tokenize with a shorter tokenize.max_seq_len")
+    if problems:
+        raise StageInputError("; ".join(problems))
+    return ds_config
+
+
+def token_shards(tokenize: Artifact, split: str) -> tuple[list[str], int, int]:
+    """(files, rows, sequence length) of a split of the tokenize artifact, checked before workers start."""
+    files = sorted(str(p) for p in (Path(tokenize.path) / split).glob("*.parquet"))
+    if not files:
+        raise StageInputError(f"tokenize artifact {tokenize.path} has no {split}/*.parquet shards; rebuild it "
+                              f"(python -m pipeline.run --until tokenize --force tokenize)")
+    schema = pq.read_schema(files[0])
+    if "input_ids" not in schema.names:
+        raise StageInputError(f"{files[0]} has no input_ids column; it is not a tokenize artifact shard")
+    seq_len = getattr(schema.field("input_ids").type, "list_size", None)
+    if not seq_len or seq_len < 0:
+        seq_len = len(pq.read_table(files[0], columns=["input_ids"]).slice(0, 1).column(0)[0])
+    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    return files, rows, int(seq_len)
+
+
+# ----------------------------------------------------------------------------------------------- the stage
+
+@contextlib.contextmanager
+def quiet_data():
+    """Datasets created inside carry no progress bars (every epoch would print a set; a dataset keeps a copy of
+    the context it was created with); the caller's setting is restored."""
+    from ray.data import DataContext
+
+    ctx = DataContext.get_current()
+    previous = ctx.enable_progress_bars
+    ctx.enable_progress_bars = False
+    try:
+        yield
+    finally:
+        ctx.enable_progress_bars = previous
+
+
+def _trainer(cfg: PretrainConfig, job: LoopJob, train_files: list[str], ctx: StageContext):
+    import ray.data
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    with quiet_data():
+        datasets = {"train": ray.data.read_parquet(train_files, columns=["input_ids"])}
+    # preserve_order makes the equal split deterministic, which the saved data position relies on
+    options = DataConfig.default_ingest_options()
+    options.preserve_order = True
+    data_config = DataConfig(execution_options=options)
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"job": job},
+        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
+                                     resources_per_worker={"CPU": cfg.cpus_per_worker},
+                                     placement_strategy=cfg.placement_strategy),
+        run_config=RunConfig(storage_path=ctx.storage_path, name=f"pretrain-{ctx.artifact_id}",
+                             failure_config=FailureConfig(max_failures=cfg.max_failures),
+                             checkpoint_config=CheckpointConfig(num_to_keep=2)),
+        datasets=datasets,
+        dataset_config=data_config,
+    )
+
+
+def _loop_job(cfg: PretrainConfig, model: DebertaConfig, ds_config: dict, seq_len: int, val_files: list[str], tok,
+              tracker) -> LoopJob:
+    from deberta.flops import train_flops_per_token
+
+    return LoopJob(
+        cfg=cfg, model=model, ds_config=ds_config, seq_len=seq_len, val_files=tuple(val_files),
+        tokenizer_len=len(tok), mask_id=tok.mask_id,
+        special_ids=tuple(sorted(tok.special_ids.values())),
+        word_start=np.packbits(tok.word_start_mask()).tobytes(),
+        train_flops_per_token=train_flops_per_token(model, seq_len, target_fraction=cfg.mlm_probability),
+        tracker=tracker)
+
+
+def consolidate(checkpoint_dir: Path, zero_stage: int) -> tuple[dict, TrainState]:
+    """fp32 state dict of a reported DeepSpeed checkpoint (all ranks' shards merged by Ray Train storage)."""
+    import torch
+
+    state = TrainState.read(checkpoint_dir)
+    if zero_stage == 0:  # no ZeRO shards: rank 0's module states are the full model
+        module = torch.load(checkpoint_dir / state.tag / "mp_rank_00_model_states.pt", map_location="cpu",
+                            weights_only=False)["module"]
+        return {k: v.float() for k, v in module.items()}, state
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints a line per shard
+        sd = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=state.tag)
+    return dict(sd), state
+
+
+def _metric_history(ctx: StageContext, key: str) -> list[tuple[int, float]]:
+    return [(m.step, m.value) for m in ctx.tracker.client.get_metric_history(ctx.tracker.run_id, key)]
+
+
+def plot_losses(ctx: StageContext, path: Path) -> None:
+    """Train and validation loss per step, from the stage's MLflow run (the last value logged per step wins)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, style in (("loss", "-"), ("val_loss", "o-")):
+        points = dict(_metric_history(ctx, key))
+        if points:
+            steps = sorted(points)
+            ax.plot(steps, [points[s] for s in steps], style, label=key)
+    ax.set_xlabel("step")
+    ax.set_ylabel("MLM loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_outputs(out: Path, model: DebertaConfig, state_dict: dict, vocab: Artifact) -> str:
+    """model/, tokenizer/ and hf/ of the artifact; returns a note on the HF export."""
+    from deberta import checkpoint
+    from deberta.model import DebertaForMaskedLM
+
+    checkpoint.save(state_dict, model, out / "model")
+    (out / "tokenizer").mkdir()
+    for name in ("spm.model", "special_tokens.json"):
+        shutil.copy2(Path(vocab.path) / name, out / "tokenizer" / name)
+    mlm = DebertaForMaskedLM(model)
+    missing = checkpoint.load_into(mlm, out / "model")
+    if missing:
+        raise RuntimeError(f"consolidated checkpoint lacks {missing}")
+    try:
+        from deberta import hf
+    except ImportError as e:  # transformers is optional at run time
+        return f"no HF export ({e})"
+    hf.save_pretrained(mlm, out / "hf")
+    return "hf/ written"
+
+
+def run(cfg: PretrainConfig, *, model: DebertaConfig, inputs: dict[str, Artifact], out: Path,
+        ctx: StageContext) -> StageResult:
+    import ray
+
+    from stages.vocab import Tokenizer
+
+    tok = Tokenizer.load(inputs["vocab"].path)
+    train_files, train_rows, seq_len = token_shards(inputs["tokenize"], "train")
+    val_files, _, _ = token_shards(inputs["tokenize"], "validation")
+    num_gpus = int(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else None
+    ds_config = check_config(cfg, model, len(tok), seq_len, num_gpus)
+    if train_rows < cfg.micro_batch_size * cfg.num_workers:
+        raise StageInputError(f"the train split has {train_rows} sequences, fewer than micro_batch_size x workers = "
+                              f"{cfg.micro_batch_size * cfg.num_workers}; tokenize more text or shrink the batch")
+    job = _loop_job(cfg, model, ds_config, seq_len, val_files, tok, ctx.tracker)
+    ctx.tracker.log_dict({"deepspeed": ds_config, "seq_len": seq_len}, "deepspeed_config.json")
+    started = time.time()
+    result = _trainer(cfg, job, train_files, ctx).fit()
+    if result.checkpoint is None:
+        raise RuntimeError(f"training ended without a checkpoint (error: {result.error})")
+    print(f"[pretrain] training finished in {time.time() - started:.0f}s; consolidating {result.checkpoint.path}",
+          flush=True)
+    with result.checkpoint.as_directory() as d:
+        state_dict, state = consolidate(Path(d), cfg.zero_stage)
+    if state.step != cfg.max_steps:
+        raise RuntimeError(f"last checkpoint is {state.tag}, expected step{cfg.max_steps}")
+    hf_note = write_outputs(out, model, state_dict, inputs["vocab"])
+    print(f"[pretrain] artifact written after {time.time() - started:.0f}s; logging to MLflow", flush=True)
+    return finish(cfg, model, out, ctx, result.metrics, seq_len, hf_note)
+
+
+def finish(cfg: PretrainConfig, model: DebertaConfig, out: Path, ctx: StageContext, final: dict,
+           seq_len: int, hf_note: str) -> StageResult:
+    """metrics.json, loss curve, MLflow artifacts and the registry entry."""
+    def last(key: str) -> float | None:
+        history = _metric_history(ctx, key)
+        return max(history)[1] if history else None  # the value at the highest step
+
+    first_val = dict(_metric_history(ctx, "val_loss")).get(0)
+    throughput = [v for _, v in _metric_history(ctx, "tokens_per_s")]
+    metrics = {
+        "final_loss": last("loss"), "val_loss": last("val_loss"), "val_accuracy": last("val_accuracy"),
+        "val_perplexity": last("val_perplexity"), "initial_val_loss": first_val,
+        "tokens_per_s": float(np.median(throughput)) if throughput else None,
+    }
+    metrics = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(v)}
+    report = {**metrics, "steps": cfg.max_steps, "seq_len": seq_len, "train_batch_size": cfg.train_batch_size,
+              "zero_stage": cfg.zero_stage, "num_workers": cfg.num_workers,
+              "worker_nodes": final.get("worker_nodes", []), "hf_export": hf_note}
+    (out / "metrics.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    plot_losses(ctx, out / "loss_curve.png")
+    ctx.tracker.log_artifact(out / "loss_curve.png")
+    ctx.tracker.log_artifacts(out / "model", "model")
+    if (out / "hf").is_dir():
+        ctx.tracker.log_artifacts(out / "hf", "hf")
+    name = f"deberta-{ctx.preset}-pretrained"
+    tags = {stage: ctx.lineage.get(stage, "") for stage in ("corpus", "vocab", "tokenize")}
+    version = ctx.tracker.register_model(name, artifact_path="model", tags={**tags, "pretrain": ctx.artifact_id},
+                                         description=f"DeBERTa MLM+EMD, {cfg.max_steps} steps, ZeRO-{cfg.zero_stage}")
+    return StageResult(
+        metrics=metrics,
+        counts={"steps": cfg.max_steps, "tokens": cfg.max_steps * cfg.train_batch_size * seq_len},
+        log_files=("metrics.json",),
+        summary={f"registered {name}": f"version {version}",
+                 "pretrain": f"val loss {metrics.get('initial_val_loss', float('nan')):.3f} -> "
+                             f"{metrics.get('val_loss', float('nan')):.3f}, "
+                             f"{metrics.get('tokens_per_s', 0):,.0f} tokens/s"},
+    )
+
+
+# ----------------------------------------------------------------------------------------------- --dry-run
+
+def _largest_layer_params(model: DebertaConfig) -> int:
+    """Largest single module's own parameters (the word embedding for every preset), on the meta device."""
+    import torch
+
+    from deberta.model import DebertaForMaskedLM
+
+    with torch.device("meta"):
+        m = DebertaForMaskedLM(model)
+    return max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules())
+
+
+def dry_run(cfg: PretrainConfig, model: DebertaConfig) -> str:
+    """The plan on paper: parameters, ZeRO-2/3 memory per GPU (DeepSpeed's estimators), tokens, time."""
+    from deepspeed.runtime.zero.stage3 import (estimate_zero3_model_states_mem_needs,
+                                               estimate_zero3_model_states_mem_needs_all_cold)
+    from deepspeed.runtime.zero.stage_1_and_2 import (estimate_zero2_model_states_mem_needs,
+                                                      estimate_zero2_model_states_mem_needs_all_cold)
+
+    from deberta.config import num_parameters
+    from deberta.flops import PEAK_FLOPS, train_flops_per_token
+
+    total, backbone = num_parameters(model, "mlm"), num_parameters(model, "backbone")
+    largest = _largest_layer_params(model)
+    nodes = max(1, math.ceil(cfg.num_workers / PLAN_GPUS_PER_NODE))
+    gpus_per_node = min(cfg.num_workers, PLAN_GPUS_PER_NODE)
+    tables = io.StringIO()
+    with contextlib.redirect_stdout(tables):
+        estimate_zero2_model_states_mem_needs_all_cold(total, num_gpus_per_node=gpus_per_node, num_nodes=nodes)
+        estimate_zero3_model_states_mem_needs_all_cold(total, largest, num_gpus_per_node=gpus_per_node, num_nodes=nodes)
+    _, zero2 = estimate_zero2_model_states_mem_needs(total, gpus_per_node, nodes, cpu_offload=False)
+    _, zero3, _ = estimate_zero3_model_states_mem_needs(total, largest, gpus_per_node, nodes, cpu_offload=False,
+                                                        cpu_offload_params=False, zero_init=False)
+    seq_len = model.max_position_embeddings
+    tokens = cfg.train_batch_size * seq_len
+    flops_tok = train_flops_per_token(model, seq_len, target_fraction=cfg.mlm_probability)
+    peak = PEAK_FLOPS[(PLAN_DEVICE, "bf16")]
+    step_s = tokens * flops_tok / (cfg.num_workers * peak * PLAN_MFU)
+    try:
+        accum = f"{build_deepspeed_config(cfg, cfg.num_workers, cfg.use_gpu)['gradient_accumulation_steps']}"
+    except ConfigError as e:
+        accum = f"invalid ({e})"
+    lines = [
+        f"pretrain plan: {nodes} node(s) x {gpus_per_node} {PLAN_DEVICE} = {cfg.num_workers} workers, "
+        f"ZeRO-{cfg.zero_stage}",
+        f"  parameters: {total:,} (MLM with EMD position table; backbone {backbone:,}); "
+        f"largest layer {largest:,}",
+        f"  batch: {cfg.train_batch_size} sequences x {seq_len} tokens (model.max_position_embeddings) = "
+        f"{tokens:,} tokens/step; micro {cfg.micro_batch_size} x accumulation {accum} x {cfg.num_workers} workers",
+        f"  compute: {flops_tok / 1e9:.3g} GFLOP/token for training (deberta.flops: 3 x forward incl. attention "
+        f"and EMD) = {tokens * flops_tok / 1e15:.3g} PFLOP/step",
+        f"  at {PLAN_MFU:.0%} MFU of {peak / 1e12:.0f} TFLOP/s bf16 per {PLAN_DEVICE}: {step_s:.3g} s/step, "
+        f"{cfg.max_steps:,} steps = {cfg.max_steps * step_s / 86400:.3g} days "
+        f"({tokens * cfg.max_steps / 1e9:,.1f}B tokens)",
+        f"  model states per GPU without offload: ZeRO-2 {zero2 / 2**30:.2f} GiB, ZeRO-3 {zero3 / 2**30:.2f} GiB "
+        f"(params built on every rank, then partitioned: no zero.Init)",
+        "  DeepSpeed's estimator tables (model states only: bf16 params/grads + fp32 master and Adam; no activations):",
+        *("    " + line for line in tables.getvalue().strip().splitlines()),
+    ]
+    return "\n".join(lines)

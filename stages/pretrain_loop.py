@@ -1,0 +1,347 @@
+"""The per-worker pretraining loop (`train_loop_per_worker`), run by Ray Train on every worker.
+
+DeepSpeed is initialised here, inside the worker, on the process group Ray Train already set up
+(gloo on CPU, NCCL on GPU). Everything a worker needs arrives in one picklable `LoopJob`; no module
+global is read inside the loop.
+
+Data position (what a checkpoint stores besides model, optimizer and scheduler): `(epoch,
+batch_in_epoch)` in micro-batches of this worker's shard. The shard order is deterministic (Ray Data
+`preserve_order`, equal split, local shuffle seeded by (seed, epoch, rank)), so on resume every worker
+re-opens epoch `epoch` and skips `batch_in_epoch` micro-batches (read and dropped, never computed; the
+cost is I/O proportional to the position within the epoch) - the next step sees exactly the batches it
+would have seen without the interruption. Span masks are a pure function of (seed, step, micro-batch,
+rank) and the dropout RNG is reseeded from (seed, step, rank) every step, so a resumed run repeats the
+uninterrupted one step for step.
+
+Side effects (prints, MLflow) happen on world rank 0 only, through `RankZero`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from deberta.config import DebertaConfig
+from deberta.masking import SpanMasker
+from pipeline.config import PretrainConfig
+
+STATE_FILE = "train_state.json"
+"""Written by rank 0 next to DeepSpeed's files in every checkpoint: tag, step and data position."""
+EVAL_MASK_OFFSET = 1 << 40
+"""Validation masks use mask steps from here on: fixed across evaluations, disjoint from training masks."""
+
+
+@dataclass(frozen=True)
+class LoopJob:
+    """Everything the workers need, resolved on the driver (picklable)."""
+
+    cfg: PretrainConfig
+    model: DebertaConfig
+    ds_config: dict[str, Any]
+    seq_len: int
+    val_files: tuple[str, ...]
+    """Validation shards (paths every node can read, like the train shards Ray Data reads)."""
+    tokenizer_len: int
+    mask_id: int
+    special_ids: tuple[int, ...]
+    word_start: bytes
+    """np.packbits of the tokenizer's (len,) word-start mask (compact to ship)."""
+    train_flops_per_token: float
+    """deberta.flops.train_flops_per_token at seq_len and the MLM target share."""
+    tracker: Any
+    """pipeline.lineage.Tracker of the stage run (rank 0 logs through it)."""
+
+    def word_start_mask(self) -> torch.Tensor:
+        bits = np.unpackbits(np.frombuffer(self.word_start, dtype=np.uint8))[: self.tokenizer_len]
+        return torch.from_numpy(bits.astype(bool))
+
+
+@dataclass
+class TrainState:
+    """Step and data position, saved with every checkpoint."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    tag: str = ""
+
+    @classmethod
+    def read(cls, directory: Path) -> "TrainState":
+        return cls(**json.loads((Path(directory) / STATE_FILE).read_text()))
+
+
+class RankZero:
+    """The one place side effects happen: prints and MLflow metrics, on world rank 0 only."""
+
+    def __init__(self, rank: int, tracker: Any):
+        self.rank, self.tracker, self.started = rank, tracker, time.time()
+
+    def print(self, message: str) -> None:
+        if self.rank == 0:
+            print(f"[pretrain {time.time() - self.started:5.0f}s] {message}", flush=True)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.rank == 0:
+            self.tracker.log_metrics({k: v for k, v in metrics.items() if v is not None}, step=step)
+
+
+def _disable_shm_comm_op() -> None:
+    """DeepSpeed's CPU shared-memory all-reduce op is JIT-compiled (~80 s) when its comm backend starts.
+
+    It only serves `inference_all_reduce` (training uses the gloo process group) and assumes all ranks
+    share one host, so we mark it incompatible; `deepspeed.ops.__compatible_ops__` is the dict DeepSpeed
+    itself consults (deepspeed/comm/torch.py `build_shm_op`) and documents as editable.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def build_engine(job: LoopJob, use_gpu: bool):
+    """DebertaForMaskedLM + torch AdamW (no decay on biases and LayerNorms) inside a DeepSpeed engine."""
+    import deepspeed
+
+    from deberta.model import DebertaForMaskedLM
+
+    if use_gpu:
+        import ray.train.torch
+
+        torch.cuda.set_device(ray.train.torch.get_device())  # the GPU Ray assigned to this worker
+    else:
+        _disable_shm_comm_op()
+    deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo")
+    torch.manual_seed(job.cfg.seed)  # identical init on every rank (ZeRO-3 partitions each rank's own copy)
+    model = DebertaForMaskedLM(job.model)
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.ndim < 2 or "LayerNorm" in name else decay).append(p)
+    c = job.cfg
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
+    engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, config=job.ds_config)
+    return engine, scheduler
+
+
+def to_ids(batch: dict[str, np.ndarray]) -> torch.Tensor:
+    """Ray Data numpy batch -> (B, T) int64 token ids (uint32 on disk)."""
+    ids = batch["input_ids"]
+    if ids.dtype == object:  # list columns may arrive as an array of arrays
+        ids = np.stack(ids)
+    return torch.from_numpy(ids.astype(np.int64))  # (B, T)
+
+
+def micro_batches(shard, job: LoopJob, rank: int, state: TrainState) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Endless (epoch, index in epoch, ids) over the worker's shard, starting at the saved data position."""
+    epoch, skip = state.epoch, state.batch_in_epoch
+    while True:
+        it = shard.iter_batches(batch_size=job.cfg.micro_batch_size, batch_format="numpy", drop_last=True,
+                                local_shuffle_buffer_size=job.cfg.shuffle_buffer or None,
+                                local_shuffle_seed=(job.cfg.seed * 1_000_003 + epoch) * 1_009 + rank)
+        n = 0
+        for batch in it:
+            if n >= skip:
+                yield epoch, n, to_ids(batch)
+            n += 1
+        if n == 0:
+            raise RuntimeError(f"worker {rank}: the train shard holds fewer than micro_batch_size="
+                               f"{job.cfg.micro_batch_size} sequences; use more data or fewer workers")
+        epoch, skip = epoch + 1, 0
+
+
+def all_reduce_sum(values: list[float], device) -> list[float]:
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def validation_batches(job: LoopJob, rank: int, world: int) -> list[torch.Tensor]:
+    """This worker's slice of the first eval_batches x micro x world validation sequences, read once.
+
+    Plain pyarrow rather than Ray Data: a few thousand fixed rows, re-used at every evaluation, and every
+    rank must run the same number of forward passes (ZeRO-3 gathers parameters collectively).
+    """
+    import pyarrow.dataset as pads
+
+    micro = job.cfg.micro_batch_size
+    table = pads.dataset(list(job.val_files), format="parquet").head(job.cfg.eval_batches * micro * world,
+                                                                      columns=["input_ids"])
+    per_rank = len(table) // world // micro * micro
+    if per_rank == 0:
+        raise RuntimeError(f"the validation split has {len(table)} sequences, fewer than micro_batch_size x workers "
+                           f"= {micro * world}; tokenize more validation text")
+    rows = table.slice(rank * per_rank, per_rank).column("input_ids").combine_chunks()
+    ids = torch.from_numpy(np.asarray(rows.flatten()).astype(np.int64)).view(per_rank, job.seq_len)  # (N, T)
+    return list(ids.split(micro))
+
+
+def evaluate(engine, batches: list[torch.Tensor], masker: SpanMasker, rank: int, world: int) -> dict[str, float]:
+    """MLM loss, accuracy and perplexity on this worker's validation batches, summed over all workers."""
+    engine.eval()
+    loss_sum = targets = correct = 0.0
+    with torch.no_grad():
+        for i, ids in enumerate(batches):
+            masked, labels = masker(ids, step=EVAL_MASK_OFFSET + i * world + rank)
+            out = engine(input_ids=masked.to(engine.device), attention_mask=(ids != 0).to(engine.device),
+                         labels=labels.to(engine.device))
+            n = float(out["num_targets"])
+            loss_sum += float(out["loss"]) * n
+            targets += n
+            correct += float(out["correct"])
+    engine.train()
+    loss_sum, targets, correct = all_reduce_sum([loss_sum, targets, correct], engine.device)
+    loss = loss_sum / max(targets, 1.0)
+    return {"val_loss": loss, "val_accuracy": correct / max(targets, 1.0), "val_perplexity": math.exp(min(loss, 50.0)),
+            "val_targets": targets}
+
+
+def save_and_report(engine, state: TrainState, metrics: dict[str, float], rank: int) -> None:
+    """DeepSpeed checkpoint on every rank into a rank-local directory, then one collective Ray Train report."""
+    import ray.train
+
+    root = Path(tempfile.mkdtemp(prefix=f"ds-ckpt-rank{rank}-"))
+    try:
+        state.tag = f"step{state.step}"  # never "latest": that name is DeepSpeed's pointer file
+        engine.save_checkpoint(str(root), tag=state.tag, client_state={"train_state": asdict(state)})
+        if rank == 0:
+            (root / STATE_FILE).write_text(json.dumps(asdict(state)))
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(root)))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def restore(engine, out: RankZero) -> TrainState:
+    """Latest reported checkpoint (after a worker failure, or a restart of the stage) -> engine + position."""
+    import ray.train
+
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is None:
+        return TrainState()
+    with ckpt.as_directory() as d:
+        state = TrainState.read(Path(d))
+        path, _ = engine.load_checkpoint(d, tag=state.tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load checkpoint {state.tag} from {d}")
+    out.print(f"restored {state.tag} from {ckpt.path}: resuming at step {state.step + 1}, "
+              f"epoch {state.epoch}, micro-batch {state.batch_in_epoch}")
+    out.log({"restored_from_step": state.step}, step=state.step)
+    return state
+
+
+def worker_nodes(world: int) -> list[str]:
+    """Ray node id of every rank, in rank order (so tests and logs can see where training ran)."""
+    import ray
+    import torch.distributed as dist
+
+    nodes: list[Any] = [None] * world
+    dist.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
+    return nodes
+
+
+def device_peak_flops(use_gpu: bool) -> float | None:
+    """bf16 dense peak of this worker's GPU (deberta.flops table), for MFU; None on CPU or an unknown GPU."""
+    if not use_gpu or not torch.cuda.is_available():
+        return None
+    from deberta.flops import peak_flops
+
+    return peak_flops(torch.cuda.get_device_name(torch.cuda.current_device()), "bf16")
+
+
+class Throughput:
+    """Step timing between progress lines: tokens/s, model TFLOP/s per worker, MFU (where the peak is known), ETA."""
+
+    def __init__(self, job: LoopJob, world: int, first_step: int):
+        self.job, self.world, self.first_step = job, world, first_step
+        self.tokens_per_step = job.cfg.train_batch_size * job.seq_len
+        self.peak = device_peak_flops(job.cfg.use_gpu)
+        self.started = self.window_start = time.time()
+        self.window_steps = 0
+
+    def step(self) -> None:
+        self.window_steps += 1
+
+    def read(self, step: int) -> dict[str, float | None]:
+        now = time.time()
+        step_time = (now - self.window_start) / max(self.window_steps, 1)
+        tokens_per_s = self.tokens_per_step / step_time
+        flops = tokens_per_s * self.job.train_flops_per_token
+        self.window_start, self.window_steps = now, 0
+        return {
+            "tokens_per_s": tokens_per_s, "step_time_s": step_time,
+            "model_tflops_per_worker": flops / self.world / 1e12,
+            "mfu": flops / (self.world * self.peak) if self.peak else None,
+            "eta_s": (self.job.cfg.max_steps - step) * (now - self.started) / max(step - self.first_step, 1),
+        }
+
+
+def train_step(engine, batches, masker: SpanMasker, state: TrainState, accum: int, rank: int, world: int) -> float:
+    """One optimizer step (accum micro-batches); advances the data position; returns this rank's mean loss."""
+    losses = []
+    # dropout draws from the global torch RNG: reseeding per (step, rank) makes a resumed step bit-identical
+    torch.manual_seed((masker.seed * 1_000_003 + state.step) * 1_009 + rank)
+    for micro in range(accum):
+        state.epoch, index, ids = next(batches)
+        state.batch_in_epoch = index + 1
+        masked, labels = masker(ids, step=(state.step * accum + micro) * world + rank)  # (B, T) each
+        out = engine(input_ids=masked.to(engine.device), attention_mask=(ids != 0).to(engine.device),
+                     labels=labels.to(engine.device))
+        engine.backward(out["loss"])
+        engine.step()  # DeepSpeed steps the optimizer and scheduler at the accumulation boundary only
+        losses.append(float(out["loss"]))
+    state.step += 1
+    return sum(losses) / len(losses)
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    import ray.train
+
+    job: LoopJob = config["job"]
+    cfg = job.cfg
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    out = RankZero(rank, job.tracker)
+    engine, scheduler = build_engine(job, cfg.use_gpu)
+    accum = engine.gradient_accumulation_steps()
+    masker = SpanMasker(job.tokenizer_len, job.mask_id, job.special_ids, job.word_start_mask(),
+                        mlm_probability=cfg.mlm_probability, max_ngram=cfg.max_ngram, seed=cfg.seed)
+    nodes = worker_nodes(world)
+    out.print(f"{world} workers on {len(set(nodes))} node(s), ZeRO-{cfg.zero_stage}, "
+              f"{'bf16 GPU' if cfg.use_gpu else 'fp32 CPU'}, accumulation {accum}; config "
+              + json.dumps({"pretrain": asdict(cfg), "deepspeed": job.ds_config}, sort_keys=True))
+    state = restore(engine, out)
+    val_batches = validation_batches(job, rank, world)
+    if state.step == 0:
+        out.log(evaluate(engine, val_batches, masker, rank, world), step=0)
+    batches = micro_batches(ray.train.get_dataset_shard("train"), job, rank, state)
+    timer, last_eval, first_step = Throughput(job, world, state.step), {}, state.step
+    while state.step < cfg.max_steps:
+        loss = train_step(engine, batches, masker, state, accum, rank, world)
+        timer.step()
+        done = state.step == cfg.max_steps
+        if state.step % cfg.log_interval == 0 or done:
+            metrics = {"loss": all_reduce_sum([loss], engine.device)[0] / world, "lr": scheduler.get_last_lr()[0],
+                       "grad_norm": engine.get_global_grad_norm(), "epoch": state.epoch, **timer.read(state.step)}
+            out.print(f"step {state.step}/{cfg.max_steps} loss {metrics['loss']:.4f} lr {metrics['lr']:.3e} "
+                      f"tokens/s {metrics['tokens_per_s']:,.0f} ETA {metrics['eta_s'] / 60:.1f} min")
+            out.log({k: None if v is None else float(v) for k, v in metrics.items()}, step=state.step)
+        if state.step % cfg.eval_interval == 0 or done:
+            last_eval = evaluate(engine, val_batches, masker, rank, world)
+            out.print(f"step {state.step} validation loss {last_eval['val_loss']:.4f} "
+                      f"accuracy {last_eval['val_accuracy']:.3f} perplexity {last_eval['val_perplexity']:.1f}")
+            out.log(last_eval, step=state.step)
+        if state.step % cfg.ckpt_interval == 0 or done:
+            final = {"worker_nodes": nodes} if done else {}
+            save_and_report(engine, state, {"step": state.step, **last_eval, **final}, rank)
+    if first_step == cfg.max_steps:  # restarted after the last checkpoint: report it again as the result
+        save_and_report(engine, state, {"step": state.step, "worker_nodes": nodes}, rank)

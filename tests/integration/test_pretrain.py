@@ -1,0 +1,447 @@
+"""Pretrain stage on a real 2-node Ray cluster (two raylets on this machine), real DeepSpeed, real MLflow.
+
+Every stage runs in its own driver process joined to the cluster (as `python -m pipeline.run` would under
+`ray job submit`), so the test process never holds a Ray connection and can kill drivers or workers.
+Text: real news articles through the real vocab and tokenize stages. Model: the debug preset shape.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from deberta import config as model_presets
+from pipeline.artifacts import Artifact, ArtifactStore
+from pipeline.config import PretrainConfig, TokenizeConfig, VocabConfig
+
+REPO = Path(__file__).resolve().parents[2]
+PY = sys.executable
+TRAIN_DOCS, VALIDATION_DOCS = 300, 40
+SEQ_LEN = 64
+BASE = PretrainConfig(num_workers=2, cpus_per_worker=1, zero_stage=2, micro_batch_size=8, train_batch_size=16,
+                      lr=2e-3, warmup_steps=4, max_steps=30, eval_interval=10, eval_batches=4, ckpt_interval=10,
+                      log_interval=1, max_failures=0, shuffle_buffer=256, placement_strategy="SPREAD")
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+# ----------------------------------------------------------------------------------------------- the cluster
+
+@dataclass(frozen=True)
+class Cluster:
+    address: str
+    env: dict[str, str]
+    """Environment of a client of this cluster (token auth)."""
+    sessions: tuple[int, ...]
+    """Process sessions of the two `ray start --block` (every Ray process of the cluster lives in them)."""
+    nodes: dict[str, str]
+    """Custom resource name -> Ray node id."""
+
+    def pids(self, marker: str) -> list[int]:
+        """Processes of this cluster whose command line contains `marker` (e.g. a Ray actor's class name)."""
+        found = []
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                if os.getsid(int(proc.name)) in self.sessions and marker in (proc / "cmdline").read_text():
+                    found.append(int(proc.name))
+            except (OSError, ProcessLookupError):
+                continue
+        return found
+
+
+def _ray_start(state: Path, name: str, env: dict[str, str], *args: str) -> subprocess.Popen:
+    log = open(state / f"{name}.log", "w")
+    cmd = [str(Path(PY).parent / "ray"), "start", "--block", "--disable-usage-stats", "--node-ip-address",
+           "127.0.0.1", "--temp-dir", str(state / "ray"), "--num-cpus", "2", "--num-gpus", "0",
+           "--object-store-memory", str(300 << 20), "--resources", json.dumps({name: 1}), *args]
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _wait_nodes(env: dict[str, str], address: str, n: int, procs: list[subprocess.Popen], state: Path) -> None:
+    probe = ("import ray,sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
+             "print(sum(1 for x in ray.nodes() if x['Alive']))")
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"ray start exited: {Path(p.args[0]).name} {p.args[1:3]}; logs in {state}: "
+                                   + "".join(f.read_text()[-1500:] for f in state.glob("node_*.log")))
+        try:
+            out = subprocess.run([PY, "-c", probe, address], env=env, capture_output=True, text=True, timeout=30)
+        except subprocess.TimeoutExpired:
+            continue
+        if out.returncode == 0 and out.stdout.strip() and int(out.stdout.strip().splitlines()[-1]) >= n:
+            return
+        time.sleep(1)
+    raise RuntimeError(f"Ray cluster did not reach {n} nodes in 120 s; see {state}")
+
+
+def _node_ids(env: dict[str, str], address: str) -> dict[str, str]:
+    code = ("import json,ray,sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
+            "print(json.dumps({r: n['NodeID'] for n in ray.nodes() if n['Alive'] for r in n['Resources'] "
+            "if r.startswith('node_')}))")
+    out = subprocess.run([PY, "-c", code, address], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def ray_cluster_2_nodes():
+    """A head and a second raylet on this machine (2 CPUs, custom resource node_head / node_worker each).
+
+    Token auth on (Ray 2.60's default for new clusters) with a token of our own; teardown kills exactly
+    the two process sessions started here, never `ray stop` (others may run Ray on this machine).
+    """
+    state = Path(tempfile.mkdtemp(prefix="rc-", dir="/tmp"))  # short: Ray's socket paths must stay < 108 bytes
+    token = state / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    address = "127.0.0.1:6380"
+    # RAY_ADDRESS: Ray Train's placement-group cleaner calls the state API without an address
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_USAGE_STATS_ENABLED="0",
+               PYTHONPATH=str(REPO), RAY_ADDRESS=address)
+    procs = [_ray_start(state, "node_head", env, "--head", "--port", "6380", "--include-dashboard", "true",
+                        "--dashboard-host", "127.0.0.1", "--dashboard-port", "8266",
+                        "--dashboard-agent-listen-port", "52365", "--min-worker-port", "10100",
+                        "--max-worker-port", "10599")]
+    try:
+        _wait_nodes(env, address, 1, procs, state)
+        procs.append(_ray_start(state, "node_worker", env, "--address", address, "--dashboard-agent-listen-port",
+                                "52366", "--min-worker-port", "10600", "--max-worker-port", "11099"))
+        _wait_nodes(env, address, 2, procs, state)
+        cluster = Cluster(address, env, tuple(p.pid for p in procs), _node_ids(env, address))
+        yield cluster
+    finally:
+        for p in procs:
+            with _suppress():
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+        time.sleep(1)
+        for p in procs:  # anything left in the sessions (raylet children)
+            for pid in Cluster("", {}, (p.pid,), {}).pids(""):
+                with _suppress():
+                    os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+class _suppress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return exc[0] is not None and issubclass(exc[0], (ProcessLookupError, PermissionError))
+
+
+# ----------------------------------------------------------------------------------------------- drivers
+
+def drive(spec_path: str) -> None:
+    """Driver process: join the cluster, build each requested artifact as the executor does, pickle outcomes."""
+    import importlib
+    import traceback
+
+    import ray
+
+    from stages.base import StageContext
+
+    spec = pickle.loads(Path(spec_path).read_bytes())
+    ray.init(address=spec["address"], logging_level="WARNING", log_to_driver=True)
+    outcomes = []
+    for job in spec["jobs"]:
+        module = importlib.import_module(job["module"])
+        store = ArtifactStore(job["workdir"])
+        ctx = StageContext(artifact_id=job["id"], workdir=job["workdir"], scratch=store.scratch(module.NAME, job["id"]),
+                           storage_path=str(job["workdir"] / "ray_results"), tracker=job["tracker"],
+                           lineage=job.get("lineage", {}), preset="debug")
+        try:
+            with store.building(module.NAME, job["id"], {"stage": module.NAME}) as out:
+                result = module.run(job["cfg"], **job.get("extra", {}), inputs=job["inputs"], out=out, ctx=ctx)
+            outcomes.append(("ok", result))
+        except Exception as e:  # noqa: BLE001  (reported to the test as text)
+            traceback.print_exc()
+            outcomes.append(("error", f"{type(e).__name__}: {e}"))
+    Path(spec["result"]).write_bytes(pickle.dumps(outcomes))
+
+
+def start_driver(cluster: Cluster, jobs: list[dict], tmp: Path) -> tuple[subprocess.Popen, Path]:
+    spec, result = tmp / f"spec-{time.time_ns()}.pkl", tmp / f"result-{time.time_ns()}.pkl"
+    spec.write_bytes(pickle.dumps({"address": cluster.address, "jobs": jobs, "result": str(result)}))
+    code = ("import importlib.util, sys; s = importlib.util.spec_from_file_location('pretrain_driver', sys.argv[1]); "
+            "m = sys.modules[s.name] = importlib.util.module_from_spec(s); s.loader.exec_module(m); "
+            "m.drive(sys.argv[2])")
+    proc = subprocess.Popen([PY, "-c", code, __file__, str(spec)], env=cluster.env, cwd=REPO, start_new_session=True)
+    return proc, result
+
+
+def run_driver(cluster: Cluster, jobs: list[dict], tmp: Path, timeout: float = 300) -> list[tuple[str, object]]:
+    proc, result = start_driver(cluster, jobs, tmp)
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert result.is_file(), f"driver exited with {proc.returncode} and no result"
+    return pickle.loads(result.read_bytes())
+
+
+# ----------------------------------------------------------------------------------------------- inputs
+
+@pytest.fixture(scope="module")
+def workdir() -> Path:
+    path = Path(tempfile.mkdtemp(prefix="pretrain-wd-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def lineage(mlflow_server, workdir):
+    from pipeline.lineage import Lineage
+
+    old = os.environ.get("MLFLOW_TRACKING_URI")
+    os.environ["MLFLOW_TRACKING_URI"] = mlflow_server
+    lin = Lineage(workdir)
+    lin.start("test-pretrain", {"preset": "debug"}, ["corpus", "vocab", "tokenize", "pretrain"])
+    yield lin
+    if old is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = old
+
+
+@pytest.fixture(scope="module")
+def corpus(news_jsonl, workdir) -> Artifact:
+    """A corpus artifact as the corpus stage writes it: train/ and validation/ Parquet, doc_id,text,source."""
+    store = ArtifactStore(workdir)
+    docs = [json.loads(line) for line in open(news_jsonl)][: TRAIN_DOCS + VALIDATION_DOCS]
+    with store.building("corpus", "news0", {"stage": "corpus"}) as out:
+        for split, part in (("train", docs[:TRAIN_DOCS]), ("validation", docs[TRAIN_DOCS:])):
+            (out / split).mkdir()
+            pq.write_table(pa.table({"doc_id": [f"news-{d['id']}" for d in part], "text": [d["text"] for d in part],
+                                     "source": ["news.jsonl"] * len(part)}), out / split / f"{split}-00000.parquet")
+    return store.find("corpus", "news0")
+
+
+@pytest.fixture(scope="module")
+def tokens(ray_cluster_2_nodes, corpus, workdir, lineage, tmp_path_factory) -> dict[str, Artifact]:
+    """The real vocab and tokenize stages on the news corpus (one driver on the 2-node cluster)."""
+    tracker = lineage.parent.child("vocab+tokenize")
+    vocab = Artifact("vocab", "vocab0", workdir / "artifacts" / "vocab" / "vocab0")
+    jobs = [
+        dict(module="stages.vocab", id="vocab0", workdir=workdir, tracker=tracker, inputs={"corpus": corpus},
+             cfg=VocabConfig(vocab_size=1_000, sample_documents=TRAIN_DOCS, num_threads=2)),
+        dict(module="stages.tokenize", id="tok0", workdir=workdir, tracker=tracker,
+             inputs={"corpus": corpus, "vocab": vocab},
+             cfg=TokenizeConfig(max_seq_len=SEQ_LEN, batch_size=64, rows_per_shard=2_000, num_workers=2)),
+    ]
+    outcomes = run_driver(ray_cluster_2_nodes, jobs, tmp_path_factory.mktemp("drv"))
+    assert [o[0] for o in outcomes] == ["ok", "ok"], outcomes
+    store = ArtifactStore(workdir)
+    return {"corpus": corpus, "vocab": store.find("vocab", "vocab0"), "tokenize": store.find("tokenize", "tok0")}
+
+
+@pytest.fixture(scope="module")
+def model_cfg(tokens):
+    from stages.vocab import Tokenizer
+
+    tok = Tokenizer.load(tokens["vocab"].path)
+    return model_presets.debug(vocab_size=model_presets.padded_vocab_size(len(tok)), max_position_embeddings=SEQ_LEN)
+
+
+def pretrain_job(cfg, art_id, workdir, tokens, model_cfg, lineage) -> dict:
+    tracker = lineage.stage_run("pretrain", art_id, {"pretrain": cfg.__dict__}, {}, cached=False)
+    return dict(module="stages.pretrain", id=art_id, workdir=workdir, tracker=tracker, inputs=tokens, cfg=cfg,
+                extra={"model": model_cfg}, lineage={k: v.id for k, v in tokens.items()})
+
+
+def checkpoints(workdir: Path, art_id: str) -> list[Path]:
+    """Checkpoint directories Ray Train kept for the run, oldest first."""
+    return sorted(p for p in (workdir / "ray_results" / f"pretrain-{art_id}").glob("checkpoint_*") if p.is_dir())
+
+
+def history(tracker, key: str) -> list[tuple[int, float]]:
+    """(step, value) in the order logged."""
+    hist = tracker.client.get_metric_history(tracker.run_id, key)
+    return [(m.step, m.value) for m in sorted(hist, key=lambda m: (m.timestamp, m.step))]
+
+
+def registered_step(workdir: Path, art_id: str) -> int:
+    """Latest step whose checkpoint Ray Train has registered (its run snapshot lists the reported metrics).
+
+    Registration trails the workers' report a little (the controller polls them), and a checkpoint not yet
+    registered when a worker dies is not restored, so the tests wait for this before killing anything."""
+    snapshot = workdir / "ray_results" / f"pretrain-{art_id}" / "checkpoint_manager_snapshot.json"
+    try:
+        return max((int(s) for s in re.findall(r'step\\*"\s*:\s*(\d+)', snapshot.read_text())), default=0)
+    except OSError:
+        return 0
+
+
+def kill_worker_at(cluster: Cluster, tracker, workdir: Path, art_id: str, checkpoint: int, step: int,
+                   timeout: float = 400) -> threading.Thread:
+    """Background thread: once the step-`checkpoint` checkpoint is registered and `loss` has reached `step` in
+    MLflow, SIGKILL one Ray Train worker process."""
+    killed: list[int] = []
+
+    def watch():
+        deadline = time.time() + timeout
+        while time.time() < deadline and not killed:
+            if registered_step(workdir, art_id) >= checkpoint and any(s >= step for s, _ in history(tracker, "loss")):
+                pids = cluster.pids("RayTrainWorker")
+                if pids:
+                    os.kill(max(pids), signal.SIGKILL)
+                    killed.append(max(pids))
+                    return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.killed = killed
+    thread.start()
+    return thread
+
+
+# ----------------------------------------------------------------------------------------------- tests
+
+def check_trained(result, out: Path, tracker, cfg: PretrainConfig, cluster: Cluster, model_cfg) -> dict:
+    import torch
+
+    from deberta import checkpoint
+    from deberta.model import DebertaForMaskedLM
+
+    metrics = json.loads((out / "metrics.json").read_text())
+    val = history(tracker, "val_loss")
+    assert val[0][0] == 0 and val[-1][0] == cfg.max_steps, val
+    assert val[-1][1] < val[0][1] - 0.5, f"validation MLM loss did not fall clearly: {val}"
+    assert sorted(metrics["worker_nodes"]) == sorted(cluster.nodes.values()), "both nodes must train"
+    assert checkpoint.load_config(out / "model") == model_cfg
+    mlm = DebertaForMaskedLM(model_cfg)
+    assert checkpoint.load_into(mlm, out / "model") == []
+    state = checkpoint.load_state_dict(out / "model")
+    assert all(v.dtype == torch.float32 for v in state.values())
+    assert (out / "tokenizer" / "spm.model").is_file() and (out / "hf" / "config.json").is_file()
+    assert (out / "loss_curve.png").stat().st_size > 1000
+    return metrics
+
+
+def test_bad_config_one_message_before_workers(ray_cluster_2_nodes, tokens, model_cfg, workdir, lineage, tmp_path):
+    bad = {
+        "not divisible": (replace(BASE, train_batch_size=24), "not divisible|must equal micro_batch_size"),
+        "zero 4": (replace(BASE, zero_stage=4), "ZeRO stages are 0, 1, 2 and 3"),
+        "gpu on cpu": (replace(BASE, use_gpu=True), "asks for 2 GPUs but the Ray cluster has 0"),
+    }
+    jobs = [pretrain_job(cfg, f"bad{i}", workdir, tokens, model_cfg, lineage)
+            for i, (cfg, _) in enumerate(bad.values())]
+    started = time.time()
+    outcomes = run_driver(ray_cluster_2_nodes, jobs, tmp_path, timeout=120)
+    for (name, (_, pattern)), (kind, message) in zip(bad.items(), outcomes):
+        assert kind == "error" and message.startswith("StageInputError"), (name, message)
+        assert re.search(pattern, message), (name, message)
+        assert "\n" not in message.strip(), "one line"
+    for i in range(len(bad)):  # no Ray Train run was started
+        assert not (workdir / "ray_results" / f"pretrain-bad{i}").exists()
+    assert time.time() - started < 60
+
+
+def test_zero2_two_nodes_mlflow_registry(ray_cluster_2_nodes, tokens, model_cfg, workdir, lineage, tmp_path):
+    job = pretrain_job(BASE, "z2", workdir, tokens, model_cfg, lineage)
+    started = time.time()
+    [(kind, result)] = run_driver(ray_cluster_2_nodes, [job], tmp_path)
+    assert kind == "ok", result
+    out = workdir / "artifacts" / "pretrain" / "z2"
+    tracker = job["tracker"]
+    metrics = check_trained(result, out, tracker, BASE, ray_cluster_2_nodes, model_cfg)
+    # checkpoints written by every rank and kept by Ray Train
+    ckpts = checkpoints(workdir, "z2")
+    assert ckpts and all((c / "train_state.json").is_file() for c in ckpts)
+    last = ckpts[-1] / f"step{BASE.max_steps}"
+    assert {p.name for p in last.glob("zero_pp_rank_*_optim_states.pt")} == {
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"}
+    # MLflow: once per step (rank 0 only), and the registry entry with lineage tags
+    steps = [s for s, _ in history(tracker, "loss")]
+    assert steps == list(range(1, BASE.max_steps + 1))
+    for key in ("lr", "grad_norm", "tokens_per_s", "model_tflops_per_worker"):
+        assert len(history(tracker, key)) == BASE.max_steps, key
+    # step s trains with lr(s - 1): linear from 0 to the peak after warmup, then linearly to 0 at max_steps
+    lrs = dict(history(tracker, "lr"))
+    assert lrs[1] == 0.0 and lrs[BASE.warmup_steps + 1] == pytest.approx(BASE.lr)
+    assert lrs[BASE.max_steps] == pytest.approx(BASE.lr / (BASE.max_steps - BASE.warmup_steps))
+    name = "deberta-debug-pretrained"
+    assert result.summary[f"registered {name}"].startswith("version ")
+    version = result.summary[f"registered {name}"].split()[-1]
+    mv = tracker.client.get_model_version(name, version)
+    assert mv.tags == {"corpus": "news0", "vocab": "vocab0", "tokenize": "tok0", "pretrain": "z2"}
+    assert mv.run_id == tracker.run_id
+    files = {f.path for f in tracker.client.list_artifacts(tracker.run_id, "model")}
+    assert files == {"model/config.json", "model/model.pt"}
+    print(f"\nZeRO-2, 2 nodes: {BASE.max_steps} steps in {time.time() - started:.0f}s, "
+          f"median {metrics['tokens_per_s']:,.0f} tokens/s, val loss {metrics['initial_val_loss']:.2f} -> "
+          f"{metrics['val_loss']:.2f}")
+
+
+def restarts(steps: list[int]) -> list[int]:
+    """Positions in the logged step sequence where it goes back (a restore from a checkpoint)."""
+    return [i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]]
+
+
+def test_zero3_survives_worker_loss_and_stage_restart(ray_cluster_2_nodes, tokens, model_cfg, workdir, lineage,
+                                                       tmp_path):
+    """ZeRO-3 run: one worker is killed after the step-6 checkpoint (Ray Train restores it), later the whole
+    stage is stopped (driver killed) after a newer checkpoint and run again (it resumes from there, not step 0).
+    Every re-run step repeats its first loss: model, optimizer, scheduler and data position were all restored."""
+    cfg = replace(BASE, zero_stage=3, max_steps=30, ckpt_interval=6, eval_interval=15, max_failures=1)
+    job = pretrain_job(cfg, "z3", workdir, tokens, model_cfg, lineage)
+    tracker = job["tracker"]
+    killer = kill_worker_at(ray_cluster_2_nodes, tracker, workdir, "z3", checkpoint=6, step=8)
+    proc, _ = start_driver(ray_cluster_2_nodes, [job], tmp_path)
+    deadline = time.time() + 400
+    while time.time() < deadline:  # stop the stage once it trains again after the restore, past a new checkpoint
+        assert proc.poll() is None, "the first driver ended before it could be stopped"
+        restored = history(tracker, "restored_from_step")
+        if restored and registered_step(workdir, "z3") >= restored[0][0] + 6:
+            break
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert killer.killed, "no training worker was killed"
+    assert not (workdir / "artifacts" / "pretrain" / "z3").exists()
+    [(kind, result)] = run_driver(ray_cluster_2_nodes, [job], tmp_path)  # the stage, run again
+    assert kind == "ok", result
+
+    losses = history(tracker, "loss")
+    steps = [s for s, _ in losses]
+    restored = [int(s) for s, _ in history(tracker, "restored_from_step")]
+    back = restarts(steps)
+    assert len(back) == 2 and restored[0] >= 6 and restored[1] >= restored[0] + 6, (steps, restored)
+    for i, r in zip(back, restored):  # each restore re-runs exactly the steps after its checkpoint
+        assert steps[i] == r + 1, (steps, restored)
+    assert steps[back[1]:] == list(range(restored[1] + 1, cfg.max_steps + 1))
+    first = {}
+    for s, v in losses:
+        if s in first:
+            assert v == pytest.approx(first[s], rel=1e-5, abs=1e-5), f"step {s} re-ran differently"
+        first.setdefault(s, v)
+    assert math.isfinite(losses[-1][1])
+    out = workdir / "artifacts" / "pretrain" / "z3"
+    check_trained(result, out, tracker, cfg, ray_cluster_2_nodes, model_cfg)
+    last = checkpoints(workdir, "z3")[-1] / f"step{cfg.max_steps}"
+    assert len(list(last.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"))) == 2  # parameters sharded
