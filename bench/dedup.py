@@ -2,8 +2,6 @@
 
     unshare --net sh -c 'ip link set lo up && .venv/bin/python -m bench.dedup --editions 1000 --cpus 2'
 
-(run as a module: bench/tokenize.py would shadow the standard library's tokenize for a script in bench/)
-
 Corpus: the 3,824 built-in news articles (which carry natural duplicates: the same story under
 two headlines, re-published transcripts) plus `--editions` edited versions of random articles
 at Jaccard levels spread over [0.4, 1) (words replaced, as a later edition would). Ground truth:

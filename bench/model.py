@@ -21,27 +21,19 @@ Prints one JSON object (also written to --json) and a table; never asserted in t
 
 from __future__ import annotations
 
+import argparse
+import json
+import resource
+import statistics
 import sys
-from pathlib import Path
+import subprocess
+import time
 
-# Run as `python bench/model.py`, Python puts bench/ first on sys.path, where sibling benchmarks
-# (bench/tokenize.py) shadow stdlib modules: swap it for the repository root before importing more.
-_BENCH_DIR = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _BENCH_DIR]
-sys.path.insert(0, str(_BENCH_DIR.parent))
+import torch
 
-import argparse  # noqa: E402 (after the sys.path fix above)
-import json  # noqa: E402
-import resource  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-
-import torch  # noqa: E402
-
-from deberta import flops  # noqa: E402
-from deberta.config import DebertaConfig, deberta_1_5b, deberta_base  # noqa: E402
-from deberta.masking import SpanMasker  # noqa: E402
+from deberta import flops
+from deberta.config import DebertaConfig, deberta_1_5b, deberta_base
+from deberta.masking import SpanMasker
 
 LIKE = {"base": deberta_base, "1.5b": deberta_1_5b}
 

@@ -86,9 +86,9 @@ class TokenizeConfig:
     max_seq_len: int = 512
     """Tokens per packed sequence, [CLS] and [SEP] included."""
     batch_size: int = 256
-    """Documents per Ray Data batch (bounds worker memory)."""
+    """Documents tokenized and packed together (packing never crosses a batch; bounds each actor's memory)."""
     rows_per_shard: int = 50_000
-    """Target sequences per output shard."""
+    """Most sequences per output shard (each corpus row group starts its own shards)."""
     num_workers: int | None = None
     """Tokenizer actors (each loads the SentencePiece model once, one CPU each); None: one per CPU of the cluster."""
 

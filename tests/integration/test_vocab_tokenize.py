@@ -1,0 +1,250 @@
+"""vocab + tokenize stages on real news text: special ids, round trip, packing, counts, determinism, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.artifacts import ArtifactStore
+from pipeline.config import TokenizeConfig, VocabConfig
+from stages import tokenize as tokenize_stage
+from stages import vocab as vocab_stage
+from stages.base import StageContext, StageInputError
+from stages.vocab import Tokenizer
+
+TRAIN_DOCS, VALIDATION_DOCS = 360, 40
+VOCAB = VocabConfig(vocab_size=1_000, sample_documents=300, num_threads=2)
+TOKENIZE = TokenizeConfig(max_seq_len=128, batch_size=64, rows_per_shard=500, num_workers=2)
+CORPUS_SCHEMA = pa.schema([("doc_id", pa.string()), ("text", pa.string()), ("source", pa.string())])
+
+
+def _write_corpus(root: Path, docs: list[dict], splits: dict[str, slice]) -> None:
+    for split, part in splits.items():
+        (root / split).mkdir(parents=True)
+        rows = docs[part]
+        for i in range(0, max(len(rows), 1), 200):  # several shards, like the corpus stage writes
+            chunk = rows[i:i + 200]
+            table = pa.table({"doc_id": [r["doc_id"] for r in chunk], "text": [r["text"] for r in chunk],
+                              "source": ["news.jsonl"] * len(chunk)}, schema=CORPUS_SCHEMA)
+            pq.write_table(table, root / split / f"{split}-{i // 200:05d}.parquet")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("wd")
+
+
+@pytest.fixture(scope="module")
+def store(workdir) -> ArtifactStore:
+    return ArtifactStore(workdir)
+
+
+@pytest.fixture(scope="module")
+def module_tracker(workdir):
+    from pipeline.lineage import Lineage
+
+    return Lineage(workdir).start("test", {"preset": "test"}, ["vocab", "tokenize"])
+
+
+def make_ctx(store: ArtifactStore, workdir: Path, tracker, stage: str, art_id: str) -> StageContext:
+    return StageContext(artifact_id=art_id, workdir=workdir, scratch=store.scratch(stage, art_id),
+                        storage_path=str(workdir / "ray"), tracker=tracker)
+
+
+def build(store, workdir, tracker, module, cfg, inputs, art_id):
+    """Run a stage the way the executor does: into a temp dir that becomes the artifact with a manifest."""
+    with store.building(module.NAME, art_id, {"stage": module.NAME}) as out:
+        result = module.run(cfg, inputs=inputs, out=out, ctx=make_ctx(store, workdir, tracker, module.NAME, art_id))
+    return store.find(module.NAME, art_id), result
+
+
+@pytest.fixture(scope="module")
+def news_docs(news_jsonl) -> list[dict]:
+    docs = []
+    with open(news_jsonl) as f:
+        for line in f:
+            rec = json.loads(line)
+            docs.append({"doc_id": f"news-{rec['id']}-{len(docs)}", "text": rec["text"]})
+            if len(docs) == TRAIN_DOCS + VALIDATION_DOCS:
+                break
+    return docs
+
+
+@pytest.fixture(scope="module")
+def corpus(store, news_docs):
+    with store.building("corpus", "news-test", {"stage": "corpus"}) as out:
+        _write_corpus(out, news_docs, {"train": slice(0, TRAIN_DOCS), "validation": slice(TRAIN_DOCS, None)})
+    return store.find("corpus", "news-test")
+
+
+@pytest.fixture(scope="module")
+def vocab(store, workdir, module_tracker, corpus):
+    return build(store, workdir, module_tracker, vocab_stage, VOCAB, {"corpus": corpus}, "vocab-a")
+
+
+@pytest.fixture(scope="module")
+def tokens(store, workdir, module_tracker, corpus, vocab, ray_local):
+    return build(store, workdir, module_tracker, tokenize_stage, TOKENIZE,
+                 {"corpus": corpus, "vocab": vocab[0]}, "tokens-a")
+
+
+def one_clear_line(err: pytest.ExceptionInfo, *fragments: str) -> None:
+    msg = str(err.value)
+    assert "\n" not in msg and "Traceback" not in msg, msg
+    for frag in fragments:
+        assert frag in msg, (frag, msg)
+
+
+# ----------------------------------------------------------------------------------------------- vocab
+
+def test_special_token_ids_are_fixed(vocab):
+    art, result = vocab
+    tok = Tokenizer.load(art.path)
+    assert json.loads((art.path / "special_tokens.json").read_text()) == {
+        "[PAD]": 0, "[CLS]": 1, "[SEP]": 2, "[UNK]": 3, "[MASK]": VOCAB.vocab_size}
+    assert (tok.pad_id, tok.cls_id, tok.sep_id, tok.unk_id, tok.mask_id) == (0, 1, 2, 3, VOCAB.vocab_size)
+    assert tok.vocab_size == VOCAB.vocab_size and len(tok) == VOCAB.vocab_size + 1
+    pieces = tok.pieces()
+    assert pieces[:4] == ["[PAD]", "[CLS]", "[SEP]", "[UNK]"] and pieces[-1] == "[MASK]" and len(pieces) == len(tok)
+    assert tok.byte_mask().sum() == 256 and tok.word_start_mask()[[0, 1, 2, 3, tok.mask_id]].all()
+    # Special strings in text are plain text, never the control ids.
+    assert not set(tok.encode(["[CLS] [MASK] [SEP] [PAD]"])[0]) & {0, 1, 2, 3, tok.mask_id}
+    stats = json.loads((art.path / "stats.json").read_text())
+    assert stats["pieces"] == VOCAB.vocab_size and stats["sample_documents"] == VOCAB.sample_documents
+    assert 1.0 < stats["pieces_per_word"] < 3.0 and stats["unk_share"] == 0.0
+    assert result.counts["tokenizer_length"] == VOCAB.vocab_size + 1
+    assert {"spm.model", "spm.vocab", "special_tokens.json", "stats.json"} <= set(art.manifest["files"])
+
+
+def test_roundtrip_on_validation_equals_normalised_text(vocab, corpus):
+    tok = Tokenizer.load(vocab[0].path)
+    texts = pq.read_table(corpus.path / "validation", columns=["text"]).column("text").to_pylist()
+    ids = tok.encode(texts)
+    assert all(max(row) < tok.vocab_size and tok.unk_id not in row for row in ids)
+    assert tok.decode(ids) == [tok.normalize(t) for t in texts]
+    assert json.loads((vocab[0].path / "stats.json").read_text())["roundtrip_exact_share"] == 1.0
+
+
+def test_vocab_is_deterministic(vocab, store, workdir, module_tracker, corpus):
+    again, _ = build(store, workdir, module_tracker, vocab_stage, VOCAB, {"corpus": corpus}, "vocab-b")
+    for name in ("spm.model", "spm.vocab", "special_tokens.json", "stats.json"):
+        assert (again.path / name).read_bytes() == (vocab[0].path / name).read_bytes(), name
+
+
+def test_tokenizer_pickles_for_ray_workers(vocab):
+    import pickle
+
+    tok = Tokenizer.load(vocab[0].path)
+    clone = pickle.loads(pickle.dumps(tok))
+    assert clone.encode(["Ray workers get the model bytes."]) == tok.encode(["Ray workers get the model bytes."])
+
+
+# ----------------------------------------------------------------------------------------------- tokenize
+
+def _read_split(art, split):
+    table = pq.read_table(art.path / split)
+    rows = np.asarray(table.column("input_ids").combine_chunks().flatten().to_numpy()).reshape(len(table), -1)
+    return table, rows, table.column("length").to_numpy()
+
+
+@pytest.mark.ray
+def test_packed_sequences_are_framed_and_in_range(tokens, vocab, corpus):
+    art, _ = tokens
+    tok = Tokenizer.load(vocab[0].path)
+    for split in ("train", "validation"):
+        table, rows, lengths = _read_split(art, split)
+        assert table.column_names == ["input_ids", "length"]
+        assert table.schema.field("input_ids").type == pa.list_(pa.uint32(), TOKENIZE.max_seq_len)
+        assert rows.shape[1] == TOKENIZE.max_seq_len and rows.dtype == np.uint32
+        assert rows.max() < tok.vocab_size  # [MASK] and beyond never stored
+        assert (rows[:, 0] == tok.cls_id).all()
+        assert (rows[np.arange(len(rows)), lengths - 1] == tok.sep_id).all()
+        positions = np.arange(TOKENIZE.max_seq_len)[None, :]
+        assert ((rows == tok.pad_id) == (positions >= lengths[:, None])).all()  # padding only after the frame
+        # Every document token is there exactly once: content = document ids + one [SEP] between neighbours.
+        texts = pq.read_table(corpus.path / split, columns=["text"]).column("text").to_pylist()
+        doc_ids = tok.encode(texts)
+        content = rows[:, 1:][positions[:, 1:] < (lengths[:, None] - 1)]
+        assert (content != tok.sep_id).sum() == sum(len(d) for d in doc_ids)
+        if split == "train":  # order is preserved: the first sequence starts with the first document
+            first = doc_ids[0][:TOKENIZE.max_seq_len - 2]
+            assert rows[0, 1:1 + len(first)].tolist() == first
+
+
+@pytest.mark.ray
+def test_counts_match_the_data(tokens, corpus):
+    art, result = tokens
+    summary = json.loads((art.path / "tokens.json").read_text())
+    for split, n_docs in (("train", TRAIN_DOCS), ("validation", VALIDATION_DOCS)):
+        table, rows, lengths = _read_split(art, split)
+        assert result.counts[f"{split}_documents"] == n_docs == summary["splits"][split]["documents"]
+        assert result.counts[f"{split}_sequences"] == len(rows) == summary["splits"][split]["sequences"]
+        assert result.counts[f"{split}_tokens"] == int((rows != 0).sum()) == summary["splits"][split]["tokens"]
+        assert result.counts[f"{split}_padding"] == int((rows == 0).sum())
+        for rel in summary["splits"][split]["files"]:
+            assert rel in art.manifest["files"]
+    # Bounded padding: at most one padded sequence per batch of documents.
+    assert result.counts["train_sequences"] > 0 and result.metrics["train_padding_share"] < 0.2
+
+
+@pytest.mark.ray
+def test_tokenize_is_deterministic(tokens, store, workdir, module_tracker, corpus, vocab):
+    again, _ = build(store, workdir, module_tracker, tokenize_stage, TOKENIZE,
+                     {"corpus": corpus, "vocab": vocab[0]}, "tokens-b")
+    first, second = tokens[0].manifest["files"], again.manifest["files"]
+    assert first == second
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+
+def test_empty_train_split_is_one_clear_message(store, workdir, module_tracker, news_docs):
+    with store.building("corpus", "empty-train", {}) as out:
+        _write_corpus(out, news_docs, {"train": slice(0, 0), "validation": slice(0, 10)})
+    empty = store.find("corpus", "empty-train")
+    with pytest.raises(StageInputError) as err:
+        build(store, workdir, module_tracker, vocab_stage, VOCAB, {"corpus": empty}, "vocab-empty")
+    one_clear_line(err, "'train'", "no documents")
+    assert store.find("vocab", "vocab-empty") is None
+
+
+def test_too_large_vocab_is_one_clear_message(store, workdir, module_tracker, corpus):
+    cfg = dataclasses.replace(VOCAB, vocab_size=60_000, sample_documents=20)
+    with pytest.raises(StageInputError) as err:
+        build(store, workdir, module_tracker, vocab_stage, cfg, {"corpus": corpus}, "vocab-too-big")
+    one_clear_line(err, "vocab.vocab_size=60000", "at most", "lower vocab.vocab_size")
+
+
+def test_corrupted_model_is_one_clear_message(vocab, tmp_path):
+    broken = tmp_path / "vocab"
+    shutil.copytree(vocab[0].path, broken)
+    model = broken / "spm.model"
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # still parses, perhaps: the manifest digest catches it
+    model.write_bytes(bytes(data))
+    with pytest.raises(StageInputError) as err:
+        Tokenizer.load(broken)
+    one_clear_line(err, "spm.model", "corrupt", "retrains")
+    (broken / "manifest.json").unlink()  # without a manifest: a truncated file does not parse
+    model.write_bytes(bytes(data[: len(data) // 3]))
+    with pytest.raises(StageInputError) as err:
+        Tokenizer.load(broken)
+    one_clear_line(err, "spm.model", "corrupt")
+
+
+def test_tokenize_rejects_corrupt_vocab_before_any_work(store, workdir, module_tracker, corpus, vocab, tmp_path):
+    from pipeline.artifacts import Artifact
+
+    broken = tmp_path / "vocab"
+    shutil.copytree(vocab[0].path, broken)
+    (broken / "spm.model").write_bytes(b"not a model")
+    with pytest.raises(StageInputError) as err:
+        build(store, workdir, module_tracker, tokenize_stage, TOKENIZE,
+              {"corpus": corpus, "vocab": Artifact("vocab", "broken", broken)}, "tokens-broken")
+    one_clear_line(err, "corrupt")

@@ -1,0 +1,65 @@
+"""Packing and sampling logic of the vocab/tokenize stages, without Ray or SentencePiece training."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from stages.tokenize import pack, to_table
+from stages.vocab import doc_hashes, sample_threshold
+
+CLS, SEP, PAD = 1, 2, 0
+
+
+def test_pack_joins_documents_with_sep_and_frames_every_window():
+    rows, lengths = pack([[10, 11, 12], [20, 21], [30]], max_seq_len=6, cls_id=CLS, sep_id=SEP, pad_id=PAD)
+    # stream: 10 11 12 SEP 20 21 SEP 30 (8 tokens) -> windows of 4
+    assert rows.tolist() == [[CLS, 10, 11, 12, SEP, SEP],
+                             [CLS, 20, 21, SEP, 30, SEP]]
+    assert lengths.tolist() == [6, 6] and rows.dtype == np.uint32
+
+
+def test_pack_pads_only_the_last_window_after_its_sep():
+    rows, lengths = pack([[5] * 7, [], [6]], max_seq_len=6, cls_id=CLS, sep_id=SEP, pad_id=PAD)
+    # stream: 5x7 SEP 6 (9 tokens); the empty document adds nothing
+    assert rows.tolist() == [[CLS, 5, 5, 5, 5, SEP], [CLS, 5, 5, 5, SEP, SEP], [CLS, 6, SEP, PAD, PAD, PAD]]
+    assert lengths.tolist() == [6, 6, 3]
+
+
+def test_pack_long_document_continues_and_nothing_is_lost():
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(4, 1000, size=n).tolist() for n in (0, 1, 509, 510, 511, 2000, 3)]
+    rows, lengths = pack(docs, max_seq_len=512, cls_id=CLS, sep_id=SEP, pad_id=PAD)
+    assert rows.shape[1] == 512 and (rows[:, 0] == CLS).all()
+    assert (rows[np.arange(len(rows)), lengths - 1] == SEP).all()
+    content = np.concatenate([r[1:n - 1] for r, n in zip(rows, lengths)])
+    expected = np.concatenate([np.r_[d, SEP] for d in docs if d])[:-1]
+    assert content.tolist() == expected.tolist()
+    assert (lengths[:-1] == 512).all()
+
+
+def test_pack_empty_batch():
+    rows, lengths = pack([[], []], max_seq_len=8, cls_id=CLS, sep_id=SEP, pad_id=PAD)
+    assert rows.shape == (0, 8) and lengths.shape == (0,)
+
+
+def test_to_table_schema_is_fixed_size_uint32():
+    rows, lengths = pack([[7, 8, 9]], max_seq_len=4, cls_id=CLS, sep_id=SEP, pad_id=PAD)
+    table = to_table(rows, lengths)
+    assert table.schema.field("input_ids").type == pa.list_(pa.uint32(), 4)
+    assert table.column("input_ids").to_pylist() == [[CLS, 7, 8, SEP], [CLS, 9, SEP, PAD]]
+    assert table.column("length").to_pylist() == [4, 3]
+
+
+def test_sample_is_independent_of_sharding_and_order(tmp_path):
+    ids = [f"doc-{i}" for i in range(1000)]
+    for name, part in (("a", ids[:300]), ("b", ids[300:])):
+        pq.write_table(pa.table({"doc_id": part}), tmp_path / f"{name}.parquet")
+    pq.write_table(pa.table({"doc_id": ids[::-1]}), tmp_path / "one.parquet")
+    two_files = sample_threshold([tmp_path / "a.parquet", tmp_path / "b.parquet"], k=100, seed=3)
+    one_file = sample_threshold([tmp_path / "one.parquet"], k=100, seed=3)
+    assert two_files == one_file
+    assert (doc_hashes(ids, seed=3) <= np.uint64(two_files)).sum() == 100
+    assert sample_threshold([tmp_path / "one.parquet"], k=100, seed=4) != one_file
+    assert sample_threshold([tmp_path / "one.parquet"], k=5000, seed=3) == int(doc_hashes(ids, 3).max())
