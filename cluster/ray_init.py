@@ -25,7 +25,7 @@ def connect(cfg: RayConfig) -> str:
     else:
         ray.init(num_cpus=cfg.num_cpus or os.cpu_count(),
                  object_store_memory=int(cfg.object_store_gb * (1 << 30)),
-                 include_dashboard=cfg.dashboard, **quiet)
+                 include_dashboard=cfg.dashboard, dashboard_host="127.0.0.1", **quiet)
         where = "started a local Ray"
     res = ray.cluster_resources()
     return f"{where}: {int(res.get('CPU', 0))} CPUs, {int(res.get('GPU', 0))} GPUs, {len(ray.nodes())} node(s)"
@@ -35,3 +35,9 @@ def cluster_gpus() -> int:
     import ray
 
     return int(ray.cluster_resources().get("GPU", 0))
+
+
+def cluster_cpus() -> int:
+    import ray
+
+    return int(ray.cluster_resources().get("CPU", 0))

@@ -28,8 +28,8 @@ class RayConfig:
     """CPUs for a local Ray started by the pipeline (None: all of this machine's). Ignored when joining a cluster."""
     object_store_gb: float = 2.0
     """Object-store size of a local Ray, in GiB. Ray's default (30% of RAM) is too much beside training workers."""
-    dashboard: bool = False
-    """Start the Ray dashboard with a local Ray (clusters always have one)."""
+    dashboard: bool = True
+    """Start the Ray dashboard (127.0.0.1:8265) with a local Ray; Ray Train and the State API rely on it."""
     storage_path: str | None = None
     """Ray Train/Tune storage every node can reach (path or pyarrow.fs URI); None: <workdir>/ray_results."""
 

@@ -48,16 +48,24 @@ def _lineage_inputs(refs: dict[str, Any]) -> dict[str, tuple[str, str, str]]:
     return out
 
 
-def _connect_ray(cfg: PipelineConfig) -> None:
-    from cluster.ray_init import cluster_gpus, connect
+def _connect_ray(cfg: PipelineConfig, stages: list[str]) -> None:
+    from cluster.ray_init import cluster_cpus, cluster_gpus, connect
+    from pipeline.run import UserError
 
     print(connect(cfg.ray), flush=True)
     try:
         validate(cfg, num_gpus_available=cluster_gpus())  # GPU asks are checked against the real cluster
     except ConfigError as e:
-        from pipeline.run import UserError
-
         raise UserError(str(e)) from None
+    p = cfg.pretrain
+    held = p.num_workers * p.cpus_per_worker
+    if "pretrain" in stages and not p.use_gpu and cluster_cpus() <= held:
+        # Training workers hold their CPUs for the whole run; the Ray Data tasks that stream
+        # their shards need a CPU of their own, or the run waits forever.
+        raise UserError(
+            f"pretrain needs more than {held} Ray CPUs (num_workers x cpus_per_worker) so Ray Data can feed "
+            f"the workers, but the cluster has {cluster_cpus()}; set ray.num_cpus={held + 2} for a local Ray, "
+            f"or lower pretrain.num_workers")
 
 
 def execute(cfg: PipelineConfig, plan: list[PlannedStage], objects: dict[str, Any],
@@ -66,7 +74,7 @@ def execute(cfg: PipelineConfig, plan: list[PlannedStage], objects: dict[str, An
     parent = lineage.start(f"pipeline-{cfg.preset}", cfg.to_dict(), [s.spec.name for s in plan])
     outcome = Outcome(tracking_uri=lineage.tracking_uri, parent_run_id=parent.run_id)
     if any(not s.cached for s in plan):
-        _connect_ray(cfg)
+        _connect_ray(cfg, [s.spec.name for s in plan if not s.cached])
     ids = {name: obj.id for name, obj in objects.items() if hasattr(obj, "id")}
     for st in plan:
         refs = _input_refs(st, store, objects)

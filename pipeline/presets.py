@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 from deberta import config as model_presets
-from pipeline.config import (CorpusConfig, FinetuneConfig, PipelineConfig, PretrainConfig, TokenizeConfig,
-                             VocabConfig)
+from pipeline.config import (CorpusConfig, FinetuneConfig, PipelineConfig, PretrainConfig, RayConfig,
+                             TokenizeConfig, VocabConfig)
 
 # Table 9 grids (paper appendix A.5), per model size.
 GRID_1_5B = dict(dropout=(0.0, 0.15, 0.3), warmup_steps=(50, 100, 500, 1000),
@@ -38,11 +38,14 @@ def debug() -> PipelineConfig:
         vocab=VocabConfig(vocab_size=pieces, sample_documents=20_000),
         tokenize=TokenizeConfig(max_seq_len=128, batch_size=128, rows_per_shard=20_000),
         pretrain=PretrainConfig(num_workers=2, micro_batch_size=8, train_batch_size=16, lr=5e-4,
-                                warmup_steps=10, max_steps=60, eval_interval=20, eval_batches=8,
-                                ckpt_interval=20, log_interval=5),
+                                warmup_steps=50, max_steps=800, eval_interval=200, eval_batches=8,
+                                ckpt_interval=200, log_interval=50),
         finetune=FinetuneConfig(task="rotten-tomatoes", dropout=(0.0, 0.1), warmup_steps=(50,),
                                 lr=(1e-3, 2e-3), batch_size=(32,), epochs=3, max_seq_len=64,
                                 max_train_examples=2_000, max_concurrent_trials=2),
+        # Ray CPUs are scheduling slots: the 2 training workers hold one each for the whole run,
+        # and the Ray Data tasks streaming their shards need slots of their own.
+        ray=RayConfig(num_cpus=4),
     )
 
 
