@@ -14,7 +14,7 @@ ARGS ?=
 
 $(STAMP): pyproject.toml Makefile
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip setuptools wheel
+	$(PIP) install --quiet --upgrade setuptools wheel
 	$(PIP) install --quiet "$(TORCH_SPEC)"
 	# DeepSpeed builds its ops lazily; build isolation would fetch a second (CUDA) torch.
 	DS_BUILD_OPS=0 $(PIP) install --quiet --no-build-isolation deepspeed==0.19.8

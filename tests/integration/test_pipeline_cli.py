@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,20 +49,27 @@ def two_runs(small_corpus, mlflow_server, tmp_path_factory):
     return workdir, first, second
 
 
-def _runs(uri: str):
+def _runs(uri: str, parent_id: str):
+    """The child runs of one invocation's parent run (other tests share the server)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name("deberta-pipeline")
-    return client, client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"], max_results=500)
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_id}'",
+                              order_by=["attributes.start_time ASC"], max_results=500)
+    return client, runs
+
+
+def _parent_id(stdout: str) -> str:
+    match = re.search(r"\(parent run ([0-9a-f]+)\)", stdout)
+    assert match, stdout[-2000:]
+    return match.group(1)
 
 
 def test_lineage_runs_and_tags(two_runs, mlflow_server):
     workdir, first, _ = two_runs
-    client, runs = _runs(mlflow_server)
-    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
-    assert len(parents) == 2
-    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    client, children = _runs(mlflow_server, _parent_id(first.stdout))
+    assert client.get_run(_parent_id(first.stdout)).info.status == "FINISHED"
     stages = [r.data.tags["pipeline.stage"] for r in children]
     assert stages[:2] == ["corpus", "vocab"]
     by_stage = {r.data.tags["pipeline.stage"]: r for r in children}
@@ -81,9 +89,7 @@ def test_lineage_runs_and_tags(two_runs, mlflow_server):
 def test_second_invocation_is_a_no_op(two_runs, mlflow_server):
     workdir, first, second = two_runs
     assert "cached" in second.stdout and "running ->" not in second.stdout
-    client, runs = _runs(mlflow_server)
-    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
-    cached = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[1].info.run_id]
+    client, cached = _runs(mlflow_server, _parent_id(second.stdout))
     assert cached and all(r.data.tags["pipeline.status"] == "cached" for r in cached)
     for stage_dir in (workdir / "artifacts").iterdir():
         assert len([p for p in stage_dir.iterdir()]) == 1, f"{stage_dir.name} was rebuilt"
