@@ -254,6 +254,14 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def pretrain_gpu_shortfall(p: PretrainConfig, num_gpus: int | None) -> str | None:
+    """The message when pretraining asks for more GPUs than the cluster has (None: fine or unknown)."""
+    if num_gpus is None or not p.use_gpu or num_gpus >= p.num_workers:
+        return None
+    return (f"pretrain.use_gpu=true asks for {p.num_workers} GPUs but the Ray cluster has {num_gpus}; "
+            f"add GPU nodes or set pretrain.use_gpu=false")
+
+
 def validate(cfg: PipelineConfig, num_gpus_available: int | None = None) -> None:
     """Cross-section invariants, checked on the driver before any worker starts."""
     c, v, t, p, f, m = cfg.corpus, cfg.vocab, cfg.tokenize, cfg.pretrain, cfg.finetune, cfg.model
@@ -282,12 +290,8 @@ def validate(cfg: PipelineConfig, num_gpus_available: int | None = None) -> None
         f"= {p.micro_batch_size} x {p.num_workers} = {per_step}; pick a multiple of {per_step}",
     )
     _check(p.max_steps > 0 and p.warmup_steps >= 0, "pretrain.max_steps must be > 0 and warmup_steps >= 0")
-    if num_gpus_available is not None and p.use_gpu:
-        _check(
-            num_gpus_available >= p.num_workers,
-            f"pretrain.use_gpu=true asks for {p.num_workers} GPUs but the Ray cluster has {num_gpus_available}; "
-            f"add GPU nodes or set pretrain.use_gpu=false",
-        )
+    shortfall = pretrain_gpu_shortfall(p, num_gpus_available)
+    _check(shortfall is None, shortfall or "")
     if num_gpus_available is not None and f.use_gpu:
         _check(num_gpus_available >= 1, "finetune.use_gpu=true but the Ray cluster has no GPU; set finetune.use_gpu=false")
     _check(f.scheduler in ("grid", "asha"), f"finetune.scheduler={f.scheduler!r}: use grid or asha")

@@ -8,13 +8,16 @@ MLflow datasets with digests, so any registered model can be walked back to the 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlflow
+from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 EXPERIMENT = "deberta-pipeline"
@@ -43,6 +46,12 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _client(tracking_uri: str) -> MlflowClient:
+    """One client per tracking URI and process: a Tracker logs every training step, and a client is not free."""
+    return MlflowClient(tracking_uri)
+
+
 @dataclass(frozen=True)
 class Tracker:
     """One MLflow run, addressed by id. Picklable: pass it to Ray workers and log from rank 0."""
@@ -53,19 +62,14 @@ class Tracker:
 
     @property
     def client(self) -> MlflowClient:
-        return MlflowClient(self.tracking_uri)
+        return _client(self.tracking_uri)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        from mlflow.entities import Metric
-        import time
-
         ts = int(time.time() * 1000)
         batch = [Metric(k, float(v), ts, step or 0) for k, v in metrics.items()]
         self.client.log_batch(self.run_id, metrics=batch)
 
     def log_params(self, params: dict[str, Any]) -> None:
-        from mlflow.entities import Param
-
         items = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
         for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
             self.client.log_batch(self.run_id, params=items[i:i + 100])
@@ -115,7 +119,7 @@ class Lineage:
     def __init__(self, workdir: Path, experiment: str = EXPERIMENT):
         self.tracking_uri = default_tracking_uri(workdir)
         self.artifact_root = (workdir / "mlflow" / "artifacts").resolve()
-        client = MlflowClient(self.tracking_uri)
+        client = _client(self.tracking_uri)
         exp = client.get_experiment_by_name(experiment)
         if exp is None:
             location = None if self.tracking_uri.startswith("http") else self.artifact_root.as_uri()
@@ -126,7 +130,7 @@ class Lineage:
         self.parent: Tracker | None = None
 
     def start(self, run_name: str, config: dict[str, Any], plan: list[str]) -> Tracker:
-        client = MlflowClient(self.tracking_uri)
+        client = _client(self.tracking_uri)
         run = client.create_run(self.experiment_id, run_name=run_name,
                                 tags={"pipeline.plan": ",".join(plan), "pipeline.preset": config["preset"]})
         self.parent = Tracker(self.tracking_uri, run.info.run_id, self.experiment_id)

@@ -85,7 +85,10 @@ def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path
     """
     from stages.base import StageInputError
 
-    specs = {s.name: s for s in STAGES if available(s)}
+    names = [s.name for s in STAGES]
+    last = args.only or args.until
+    planned = STAGES[: names.index(last) + 1] if last in names else STAGES  # an unknown name fails in make_plan
+    specs = {s.name: s for s in planned if available(s)}  # e.g. --until tokenize never reads the task files
     objects, ids = {}, {}
     try:
         if "corpus" in specs:

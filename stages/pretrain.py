@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 from cluster.deepspeed_config import build_deepspeed_config
 from deberta.config import DebertaConfig
 from pipeline.artifacts import Artifact
-from pipeline.config import ConfigError, PretrainConfig
+from pipeline.config import ConfigError, PretrainConfig, pretrain_gpu_shortfall
 from stages.base import StageContext, StageInputError, StageResult
 from stages.pretrain_loop import LoopJob, TrainState, train_loop_per_worker
 
@@ -66,9 +66,8 @@ def check_config(cfg: PretrainConfig, model: DebertaConfig, tokenizer_len: int |
     for name in ("log_interval", "eval_interval", "ckpt_interval", "cpus_per_worker"):
         if getattr(cfg, name) < 1:
             problems.append(f"pretrain.{name}={getattr(cfg, name)}: must be >= 1")
-    if cfg.use_gpu and num_gpus is not None and num_gpus < cfg.num_workers:
-        problems.append(f"pretrain.use_gpu=true asks for {cfg.num_workers} GPUs but the Ray cluster has {num_gpus}; "
-                        f"add GPU nodes or set pretrain.use_gpu=false")
+    if shortfall := pretrain_gpu_shortfall(cfg, num_gpus):
+        problems.append(shortfall)
     if tokenizer_len is not None and model.vocab_size < tokenizer_len:
         problems.append(f"model.vocab_size={model.vocab_size} < tokenizer length {tokenizer_len} of the vocab "
                         f"artifact; set model.vocab_size >= {tokenizer_len}")
