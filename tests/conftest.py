@@ -35,6 +35,21 @@ def news_jsonl(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def news_subset(news_jsonl, tmp_path_factory):
+    """make(n): the first `n` real news articles as a user's JSONL corpus file."""
+    def make(n: int) -> Path:
+        out = tmp_path_factory.mktemp("corpus") / f"news{n}.jsonl"
+        with open(news_jsonl) as src, open(out, "w") as dst:
+            for i, line in enumerate(src):
+                if i == n:
+                    break
+                dst.write(line)
+        return out
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def ray_local():
     """A single-node Ray sized for this 2-core machine, shared by the session's tests."""
     import ray

@@ -178,19 +178,11 @@ def test_bad_preset_job_fails_fast_with_one_clear_line(ray_cluster_2_nodes, tmp_
 
 
 @pytest.fixture(scope="module")
-def small_corpus(news_jsonl, tmp_path_factory) -> Path:
+def small_corpus(news_subset) -> Path:
     """The first 400 real news articles, as a user's JSONL corpus (a path both nodes see)."""
-    out = tmp_path_factory.mktemp("corpus") / "news400.jsonl"
-    with open(news_jsonl) as src, open(out, "w") as dst:
-        for i, line in enumerate(src):
-            if i == 400:
-                break
-            dst.write(line)
-    return out
+    return news_subset(400)
 
 
-@pytest.mark.skipif(not (REPO / "stages" / "pretrain.py").is_file() or not (REPO / "stages" / "finetune.py").is_file(),
-                    reason="needs every stage (stages/pretrain.py, stages/finetune.py)")
 def test_pipeline_job_end_to_end(ray_cluster_2_nodes, mlflow_server, small_corpus, tmp_path_factory):
     from mlflow.tracking import MlflowClient
 

@@ -26,15 +26,9 @@ def pipeline(args: list[str], env_extra: dict[str, str] | None = None, timeout: 
 
 
 @pytest.fixture(scope="module")
-def small_corpus(news_jsonl, tmp_path_factory) -> Path:
+def small_corpus(news_subset) -> Path:
     """The first 300 real news articles, as a user's JSONL corpus."""
-    out = tmp_path_factory.mktemp("corpus") / "news300.jsonl"
-    with open(news_jsonl) as src, open(out, "w") as dst:
-        for i, line in enumerate(src):
-            if i == 300:
-                break
-            dst.write(line)
-    return out
+    return news_subset(300)
 
 
 @pytest.fixture(scope="module")
