@@ -168,13 +168,13 @@ def submit(cluster: LocalCluster, args: list[str], submission_id: str, timeout: 
 
 
 def test_bad_preset_job_fails_fast_with_one_clear_line(ray_cluster_2_nodes, tmp_path):
-    res, status, logs, took = submit(ray_cluster_2_nodes, ["--preset", "nope", "--workdir", str(tmp_path / "wd")],
+    res, status, logs, _ = submit(ray_cluster_2_nodes, ["--preset", "nope", "--workdir", str(tmp_path / "wd")],
                                      "bad-preset", timeout=180)
     assert res.returncode != 0 and "Job 'bad-preset' failed" in status, res.stdout[-2000:] + res.stderr[-2000:]
     assert "error: unknown preset 'nope'; choose one of:" in logs, logs[-2000:]
     assert "Traceback" not in logs, logs[-3000:]
     assert not (tmp_path / "wd" / "artifacts").exists()
-    assert took < 90, f"bad preset took {took:.0f}s to fail"
+    assert "running ->" not in logs, logs[-2000:]  # fails before any stage starts, not deep inside one
 
 
 @pytest.fixture(scope="module")
