@@ -28,6 +28,7 @@ import statistics
 import sys
 import subprocess
 import time
+from pathlib import Path
 
 import torch
 
@@ -42,7 +43,7 @@ def build_config(args: argparse.Namespace) -> DebertaConfig:
     return LIKE[args.like](vocab_size=args.vocab, num_hidden_layers=args.layers)
 
 
-def _inputs(cfg: DebertaConfig, batch: int, seq: int, device: str):
+def make_inputs(cfg: DebertaConfig, batch: int, seq: int, device: str):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(5, cfg.vocab_size - 1, (batch, seq), generator=g)
     ids[:, 0], ids[:, -1] = 1, 2  # [CLS] ... [SEP]
@@ -86,7 +87,7 @@ def _setup(args: argparse.Namespace, impl: str, task: str, seq: int):
     model, step = _models(cfg, impl, task)
     model.to(args.device).train()
     batch = max(1, args.tokens // seq)
-    return cfg, model, step, batch, _inputs(cfg, batch, seq, args.device)
+    return cfg, model, step, batch, make_inputs(cfg, batch, seq, args.device)
 
 
 def _train_step(args: argparse.Namespace, model, step, inputs) -> float:

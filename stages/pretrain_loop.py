@@ -110,30 +110,45 @@ def _disable_shm_comm_op() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def build_engine(job: LoopJob, use_gpu: bool):
-    """DebertaForMaskedLM + torch AdamW (no decay on biases and LayerNorms) inside a DeepSpeed engine."""
+def init_distributed(backend: str) -> None:
+    """DeepSpeed's comm layer on the process group the launcher (Ray Train, or env vars) describes."""
+    import deepspeed
+
+    if backend == "gloo":
+        _disable_shm_comm_op()
+    deepspeed.init_distributed(dist_backend=backend)
+
+
+def make_engine(cfg: PretrainConfig, model_cfg: DebertaConfig, ds_config: dict[str, Any], backend: str):
+    """DebertaForMaskedLM + torch AdamW (no decay on biases and LayerNorms) inside a DeepSpeed engine.
+
+    Needs no Ray: the stage calls it through `build_engine`, `bench/train_step.py` directly.
+    """
     import deepspeed
 
     from deberta.model import DebertaForMaskedLM
 
+    init_distributed(backend)
+    torch.manual_seed(cfg.seed)  # identical init on every rank (ZeRO-3 partitions each rank's own copy)
+    model = DebertaForMaskedLM(model_cfg)
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.ndim < 2 or "LayerNorm" in name else decay).append(p)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+        fused=backend == "nccl")  # one CUDA kernel for the whole update on GPU; the plain loop on CPU
+    engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    return engine, scheduler
+
+
+def build_engine(job: LoopJob, use_gpu: bool):
+    """`make_engine` on the GPU (NCCL) or CPU (gloo) Ray Train gave this worker."""
     if use_gpu:
         import ray.train.torch
 
         torch.cuda.set_device(ray.train.torch.get_device())  # the GPU Ray assigned to this worker
-    else:
-        _disable_shm_comm_op()
-    deepspeed.init_distributed(dist_backend="nccl" if use_gpu else "gloo")
-    torch.manual_seed(job.cfg.seed)  # identical init on every rank (ZeRO-3 partitions each rank's own copy)
-    model = DebertaForMaskedLM(job.model)
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (no_decay if p.ndim < 2 or "LayerNorm" in name else decay).append(p)
-    c = job.cfg
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps)
-    engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, config=job.ds_config)
-    return engine, scheduler
+    return make_engine(job.cfg, job.model, job.ds_config, "nccl" if use_gpu else "gloo")
 
 
 def to_ids(batch: dict[str, np.ndarray]) -> torch.Tensor:

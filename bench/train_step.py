@@ -1,0 +1,215 @@
+"""Benchmark: one pretraining optimizer step on one GPU, the stage's DeepSpeed engine vs plain torch AMP.
+
+ours   `stages.pretrain_loop.make_engine` with `cluster.deepspeed_config.build_deepspeed_config` for the
+       preset's ZeRO stage (world size 1, bf16 weights, fp32 master copy in DeepSpeed's optimizer wrapper),
+       client torch AdamW, DeepSpeed's gradient clipping and WarmupDecayLR.
+torch  what one writes without DeepSpeed: fp32 weights, `torch.autocast(bfloat16)`, fused torch AdamW,
+       `clip_grad_norm_`, a constant learning rate (the engine warms up in 1 step; a schedule costs nothing).
+
+Same model (`DebertaForMaskedLM`, EMD, LM head on the targets), same span-masked batch, same micro-batch.
+Each mode runs in its own process (peak memory does not mix). Reported: the median and fastest step of
+`--steps` timed steps after `--warmup`, tokens/s, MFU against the device's bf16 peak (deberta.flops),
+and peak allocated memory over the whole step (weights, optimizer state, gradients and activations).
+
+    python -m bench.train_step --like 1.5b --micro 8 --zero 2 3        # the 1.5B model, on one GPU
+    python -m bench.train_step --like base --layers 4 --micro 4         # a smoke run
+Prints one JSON object (also written to --json) and a table. Meant for CUDA; `--device cpu` only checks that
+the code path runs (fp32, gloo), since the CPU step is measured by `bench.model`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.model import make_inputs
+from deberta import flops
+from deberta.config import DebertaConfig, deberta_1_5b, deberta_base, deberta_large
+
+LIKE = {"base": deberta_base, "large": deberta_large, "1.5b": deberta_1_5b}
+MODES = ("deepspeed", "torch")
+
+
+def build_config(args: argparse.Namespace) -> DebertaConfig:
+    kw = {"vocab_size": args.vocab} | ({"num_hidden_layers": args.layers} if args.layers else {})
+    return LIKE[args.like](**kw)
+
+
+def _deepspeed_step(args: argparse.Namespace, cfg: DebertaConfig):
+    from cluster.deepspeed_config import build_deepspeed_config
+    from pipeline.config import PretrainConfig
+    from stages.pretrain_loop import make_engine
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(args.port))
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+    pcfg = PretrainConfig(num_workers=1, use_gpu=cuda, zero_stage=args.zero[0], micro_batch_size=args.micro,
+                          train_batch_size=args.micro, warmup_steps=1, max_steps=10_000)
+    engine, _ = make_engine(pcfg, cfg, build_deepspeed_config(pcfg, 1, use_gpu=cuda), "nccl" if cuda else "gloo")
+
+    def step(ids, mask, labels):
+        loss = engine(input_ids=ids, attention_mask=mask, labels=labels)["loss"]
+        engine.backward(loss)
+        engine.step()
+        return loss
+    return step
+
+
+def _torch_step(args: argparse.Namespace, cfg: DebertaConfig):
+    from deberta.model import DebertaForMaskedLM
+    from pipeline.config import PretrainConfig
+
+    c = PretrainConfig()  # the same AdamW settings as the engine's
+    torch.manual_seed(c.seed)
+    cuda = args.device == "cuda"
+    model = DebertaForMaskedLM(cfg).to(args.device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps,
+                            weight_decay=c.weight_decay, fused=cuda)
+
+    def step(ids, mask, labels):
+        with torch.autocast(args.device, dtype=torch.bfloat16, enabled=cuda):
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels)["loss"]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
+def _profile(args: argparse.Namespace, step, inputs) -> None:
+    """Two more steps under torch.profiler; the ops that took the most device time, to `--profile`/<mode>.txt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step(*inputs)
+        torch.cuda.synchronize()
+    name = f"profile_{args.mode}{args.zero[0] if args.mode == 'deepspeed' else ''}.txt"
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+    (args.profile / name).write_text(table)
+
+
+def worker(args: argparse.Namespace) -> dict:
+    """One mode in this process: build, warm up, time; returns one result row."""
+    cfg = build_config(args)
+    step = (_deepspeed_step if args.mode == "deepspeed" else _torch_step)(args, cfg)
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    inputs = make_inputs(cfg, args.micro, args.seq, args.device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    losses, times = [], []
+    for i in range(args.warmup + args.steps):
+        sync()
+        t0 = time.perf_counter()
+        loss = step(*inputs)
+        sync()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    if args.profile:
+        _profile(args, step, inputs)
+    tokens = args.micro * args.seq
+    fl = flops.train_flops_per_token(cfg, args.seq, "mlm")
+    peak = flops.peak_flops(torch.cuda.get_device_name(), "bf16") if cuda else None
+    med = statistics.median(times)
+    return {"mode": args.mode, "zero": args.zero[0] if args.mode == "deepspeed" else None,
+            "step_s_median": med, "step_s_min": min(times),
+            "tokens_per_s": tokens / med, "mfu": flops.mfu(tokens / med, fl, peak) if peak else None,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "first_loss": losses[0],
+            "last_loss": losses[-1]}
+
+
+def _spawn(args: argparse.Namespace, mode: str, zero: int) -> dict:
+    argv = [sys.executable, "-m", "bench.train_step", "--worker", "--mode", mode, "--zero", str(zero)]
+    for k in ("like", "layers", "vocab", "seq", "micro", "steps", "warmup", "port", "device"):
+        argv += [f"--{k}", str(getattr(args, k))]
+    if args.profile:
+        argv += ["--profile", str(args.profile)]
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        return {"mode": mode, "error": proc.stderr[-2000:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def table(report: dict) -> str:
+    rows = ["| mode | ZeRO | step s (median) | tokens/s | MFU | peak GiB | loss first -> last |",
+            "|---|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        if "error" in r:
+            rows.append(f"| {r['mode']} | failed: {r['error'].strip().splitlines()[-1][:80]} |||||")
+            continue
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
+        mem = f"{r['peak_mem_gib']:.1f}" if r.get("peak_mem_gib") is not None else "-"
+        rows.append(f"| {r['mode']} | {r['zero'] if r['zero'] is not None else '-'} | {r['step_s_median']:.3f} | "
+                    f"{r['tokens_per_s']:,.0f} | {mfu} | {mem} | "
+                    f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} |")
+    ok = [r for r in report["results"] if "error" not in r]
+    peer = next((r for r in ok if r["mode"] == "torch"), None)
+    rows.append("")
+    for r in ok:
+        if peer and r is not peer:
+            rows.append(f"DeepSpeed ZeRO-{r['zero']} / torch: throughput {r['tokens_per_s'] / peer['tokens_per_s']:.2f}x")
+            if peer["peak_mem_gib"]:
+                rows[-1] += f", peak memory {r['peak_mem_gib'] / peer['peak_mem_gib']:.2f}x"
+    return "\n".join(rows)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--like", choices=sorted(LIKE), default="1.5b")
+    p.add_argument("--layers", type=int, default=0, help="0 = the model's own depth")
+    p.add_argument("--vocab", type=int, default=128_100, help="embedding rows (128K pieces for the paper's models)")
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--micro", type=int, default=8, help="sequences per step")
+    p.add_argument("--zero", type=int, nargs="+", default=[3], help="DeepSpeed ZeRO stages to run, one process each")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--port", type=int, default=29531)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: a smoke run of the code path only (fp32, gloo; no MFU or memory figures)")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--profile", type=Path, default=None, help="folder for a torch.profiler table per mode (CUDA)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench.train_step: no CUDA device; pass --device cpu for a smoke run of the code path")
+    cfg = build_config(args)
+    with torch.device("meta"):
+        from deberta.model import DebertaForMaskedLM
+        params = sum(p.numel() for p in DebertaForMaskedLM(cfg).parameters())
+    report = {"config": cfg.to_dict(), "params": params, "seq": args.seq,
+              "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "micro_batch": args.micro, "tokens_per_step": args.seq * args.micro, "steps": args.steps,
+              "flops_per_token": flops.train_flops_per_token(cfg, args.seq, "mlm"),
+              "results": [_spawn(args, m, z) for m in args.modes for z in (args.zero if m == "deepspeed" else [0])]}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text)
+    print()
+    print(table(report))
+
+
+if __name__ == "__main__":
+    main()
