@@ -174,10 +174,18 @@ class FinetuneConfig:
     """"grid": every combination to the end; "asha": asynchronous successive halving on the dev metric."""
     max_concurrent_trials: int = 2
     """Trials run at once."""
+    trainer: str = "torch"
+    """"torch": each trial is one plain-torch process (one GPU at most); "deepspeed": each trial is a Ray Train
+    run of `workers_per_trial` DeepSpeed workers (data parallel, ZeRO `zero_stage`), for models one device
+    cannot fine-tune fast enough or at all."""
+    workers_per_trial: int = 1
+    """DeepSpeed workers per trial (trainer=deepspeed); every grid batch size must divide by it."""
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage of the trials (trainer=deepspeed)."""
     cpus_per_trial: int = 1
-    """CPUs reserved per trial."""
+    """CPUs per trial (per worker with trainer=deepspeed)."""
     use_gpu: bool = False
-    """Fine-tune on GPUs."""
+    """Fine-tune on GPUs (one per trial, or per worker with trainer=deepspeed)."""
 
 
 @dataclass(frozen=True)
@@ -262,6 +270,23 @@ def pretrain_gpu_shortfall(p: PretrainConfig, num_gpus: int | None) -> str | Non
             f"add GPU nodes or set pretrain.use_gpu=false")
 
 
+def check_finetune_trainer(f: FinetuneConfig, num_gpus: int | None = None) -> None:
+    """The trial layout: trainer, workers, ZeRO stage, batch sizes that split over the workers, GPUs."""
+    _check(f.trainer in ("torch", "deepspeed"), f"finetune.trainer={f.trainer!r}: use torch or deepspeed")
+    _check(f.workers_per_trial >= 1 and f.cpus_per_trial >= 1,
+           f"finetune.workers_per_trial={f.workers_per_trial} and cpus_per_trial={f.cpus_per_trial} must be >= 1")
+    workers = f.workers_per_trial if f.trainer == "deepspeed" else 1
+    _check(f.trainer == "deepspeed" or f.workers_per_trial == 1,
+           f"finetune.workers_per_trial={f.workers_per_trial} needs finetune.trainer=deepspeed (a torch trial is one process)")
+    _check(f.zero_stage in (0, 1, 2, 3), f"finetune.zero_stage={f.zero_stage}: DeepSpeed ZeRO stages are 0, 1, 2, 3")
+    uneven = [b for b in f.batch_size if b % workers]
+    _check(not uneven, f"finetune.batch_size {uneven} cannot be split evenly over workers_per_trial={workers}; "
+                       f"use batch sizes that are multiples of {workers} or fewer workers")
+    if num_gpus is not None and f.use_gpu:
+        _check(num_gpus >= workers, f"finetune.use_gpu=true needs {workers} GPU(s) per trial but the Ray cluster has "
+                                    f"{num_gpus}; add GPU nodes, lower finetune.workers_per_trial, or set finetune.use_gpu=false")
+
+
 def validate(cfg: PipelineConfig, num_gpus_available: int | None = None) -> None:
     """Cross-section invariants, checked on the driver before any worker starts."""
     c, v, t, p, f, m = cfg.corpus, cfg.vocab, cfg.tokenize, cfg.pretrain, cfg.finetune, cfg.model
@@ -292,9 +317,8 @@ def validate(cfg: PipelineConfig, num_gpus_available: int | None = None) -> None
     _check(p.max_steps > 0 and p.warmup_steps >= 0, "pretrain.max_steps must be > 0 and warmup_steps >= 0")
     shortfall = pretrain_gpu_shortfall(p, num_gpus_available)
     _check(shortfall is None, shortfall or "")
-    if num_gpus_available is not None and f.use_gpu:
-        _check(num_gpus_available >= 1, "finetune.use_gpu=true but the Ray cluster has no GPU; set finetune.use_gpu=false")
     _check(f.scheduler in ("grid", "asha"), f"finetune.scheduler={f.scheduler!r}: use grid or asha")
     for name in ("dropout", "warmup_steps", "lr", "batch_size", "seeds"):
         _check(len(getattr(f, name)) > 0, f"finetune.{name} is empty: give at least one value")
+    check_finetune_trainer(f, num_gpus_available)
     _check(f.epochs >= 1, f"finetune.epochs={f.epochs}: must be >= 1")

@@ -66,6 +66,12 @@ def _connect_ray(cfg: PipelineConfig, stages: list[str]) -> None:
             f"pretrain needs more than {held} Ray CPUs (num_workers x cpus_per_worker) so Ray Data can feed "
             f"the workers, but the cluster has {cluster_cpus()}; set ray.num_cpus={held + 2} for a local Ray, "
             f"or lower pretrain.num_workers")
+    f = cfg.finetune
+    trial = f.cpus_per_trial * (f.workers_per_trial if f.trainer == "deepspeed" else 1)
+    if "finetune" in stages and cluster_cpus() < trial:
+        raise UserError(
+            f"one finetune trial needs {trial} Ray CPUs (cpus_per_trial x workers) but the cluster has "
+            f"{cluster_cpus()}; lower finetune.cpus_per_trial or finetune.workers_per_trial, or add nodes")
 
 
 def execute(cfg: PipelineConfig, plan: list[PlannedStage], objects: dict[str, Any],

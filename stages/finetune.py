@@ -1,11 +1,18 @@
 """Finetune stage: a Ray Tune sweep over the paper's Table 9 grid, the champion to the MLflow registry.
 
 Every combination of task-layer dropout x warmup steps x learning rate x batch size x seed is one Tune trial
-(`tune.grid_search`), optionally cut short by ASHA on the dev metric. A trial fine-tunes the pretrained backbone
-with plain torch on `cpus_per_trial` threads (or one GPU): AdamW (Table 9's epsilon, betas, weight decay), linear
-warmup then linear decay to zero at `epochs`, gradient clipping, SiFT when enabled, and reports the dev metrics
-once per epoch with a checkpoint whenever the trial's dev metric improves. The large-model path (DeepSpeed
-inside Ray Train per trial) is not here yet: every trial is a single process.
+(`tune.grid_search`), optionally cut short by ASHA on the dev metric. A trial fine-tunes the pretrained backbone:
+AdamW (Table 9's epsilon, betas, weight decay), linear warmup then linear decay to zero at `epochs`, gradient
+clipping, SiFT when enabled, and reports the dev metrics once per epoch with a checkpoint whenever the trial's dev
+metric improves. Two trainers run that same recipe:
+
+  torch      (base and smaller) the trial is one process: plain torch on `cpus_per_trial` threads or one GPU.
+  deepspeed  (large, 1.5B) the trial is a Ray Train run of `workers_per_trial` DeepSpeed workers: the trial's
+             Tune function starts a `TorchTrainer` (Ray Train V2's Tune integration: Tune reserves nothing for
+             the trial itself, the Train run reserves its workers) and `TuneReportCallback` forwards rank 0's
+             per-epoch results to Tune. Each step's batch is split evenly over the workers; ZeRO shards the
+             optimizer state (stage 1-2) and the weights (stage 3); the dev set is split over the workers and
+             the predictions gathered; an improving epoch's weights are gathered with `save_16bit_model`.
 
 The driver tokenises the task once and hands the arrays and the backbone weights to every trial through the
 object store (`tune.with_parameters`), so trials need no shared filesystem. A Tune callback mirrors every trial
@@ -73,8 +80,10 @@ def grid_size(cfg: FinetuneConfig) -> int:
 def dry_run(cfg: FinetuneConfig, model: DebertaConfig) -> str:
     """One line for `--dry-run`: the size of the sweep."""
     grid = " x ".join(f"{k}{list(getattr(cfg, k))}" for k in (*GRID_KEYS, "seeds"))
+    trainer = ("one torch process" if cfg.trainer == "torch" else
+               f"{cfg.workers_per_trial} DeepSpeed ZeRO-{cfg.zero_stage} workers") + (" on GPUs" if cfg.use_gpu else "")
     return (f"finetune: task {cfg.task}, {grid_size(cfg)} trials ({grid}), <= {cfg.epochs} epochs each, "
-            f"scheduler {cfg.scheduler}, {cfg.max_concurrent_trials} at once, sift={cfg.sift}")
+            f"scheduler {cfg.scheduler}, {cfg.max_concurrent_trials} at once, {trainer} per trial, sift={cfg.sift}")
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -190,16 +199,42 @@ def linear_schedule(warmup: int, total: int):
     return factor
 
 
-def make_optimizer(model: torch.nn.Module, lr: float, ft: FinetuneConfig) -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, lr: float, ft: FinetuneConfig, fused: bool = False) -> torch.optim.AdamW:
     """AdamW; biases and LayerNorm weights get no weight decay (as the reference and HF Trainer)."""
     decay, no_decay = [], []
     for p in model.parameters():
         (no_decay if p.ndim < 2 else decay).append(p)
     groups = [{"params": decay, "weight_decay": ft.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(ft.adam_beta1, ft.adam_beta2), eps=ft.adam_eps)
+    return torch.optim.AdamW(groups, lr=lr, betas=(ft.adam_beta1, ft.adam_beta2), eps=ft.adam_eps, fused=fused)
 
 
-def _batch(data: Encoded, idx: np.ndarray, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def build_classifier(setup: TrialSetup, config: dict[str, Any],
+                     weights: dict[str, torch.Tensor]) -> DebertaForSequenceClassification:
+    """The trial's model: pretrained backbone, fresh pooler and classifier drawn from the trial's seed."""
+    torch.manual_seed(config["seed"])
+    model = DebertaForSequenceClassification(setup.model, setup.num_labels, classifier_dropout=config["dropout"],
+                                             sift=setup.ft.sift)
+    load_backbone(model, weights)
+    return model
+
+
+def epoch_batches(n: int, batch_size: int, rng: np.random.Generator, world: int = 1) -> list[np.ndarray]:
+    """One epoch's batches of example indices in a fresh random order; a last batch too small to give every
+    worker an example is dropped (with one worker, none is)."""
+    order = rng.permutation(n)
+    batches = [order[i:i + batch_size] for i in range(0, n, batch_size)]
+    if batches and len(batches[-1]) < world:
+        batches.pop()
+    return batches
+
+
+def steps_per_epoch(n: int, batch_size: int, world: int = 1) -> int:
+    """len(epoch_batches(n, batch_size, rng, world)) without drawing an order."""
+    full, rest = divmod(n, batch_size)
+    return full + (1 if rest >= max(1, world) else 0)
+
+
+def _batch(data: Encoded, idx: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ids = data.ids[idx]  # [PAD] = 0 (fixed by the vocab stage)
     width = max(1, int((ids != 0).sum(1).max()))  # trim the padding every row shares
     ids = torch.from_numpy(ids[:, :width].astype(np.int64)).to(device)  # (B, T')
@@ -207,18 +242,31 @@ def _batch(data: Encoded, idx: np.ndarray, device: str) -> tuple[torch.Tensor, t
 
 
 @torch.no_grad()
-def evaluate(model: DebertaForSequenceClassification, data: Encoded, kind: str, device: str) -> dict[str, float]:
+def evaluate(model, data: Encoded, kind: str, device, rank: int = 0, world: int = 1) -> dict[str, float]:
+    """Dev metrics. With `world` > 1 every worker predicts a contiguous share and the shares are gathered; all
+    workers run the same number of forward passes (ZeRO-3 gathers weights collectively in each one)."""
     model.eval()
+    share = math.ceil(len(data) / world)
+    rows = np.arange(rank * share, min(len(data), (rank + 1) * share))
     preds = []
-    for start in range(0, len(data), EVAL_BATCH):
-        ids, mask, _ = _batch(data, np.arange(start, min(start + EVAL_BATCH, len(data))), device)
+    for b in range(math.ceil(share / EVAL_BATCH)):
+        idx = rows[b * EVAL_BATCH:(b + 1) * EVAL_BATCH]
+        real = len(idx)
+        ids, mask, _ = _batch(data, idx if real else np.zeros(1, dtype=np.int64), device)  # a pad pass, dropped
         logits = model(ids, mask)["logits"].float()  # (B, num_labels)
-        preds.append((logits.argmax(-1) if kind == CLASSIFICATION else logits[:, 0]).cpu().numpy())
-    return compute_metrics(kind, np.concatenate(preds), data.label)
+        preds.append((logits.argmax(-1) if kind == CLASSIFICATION else logits[:, 0]).cpu().numpy()[:real])
+    mine = np.concatenate(preds) if preds else np.zeros(0, dtype=np.float32)
+    if world > 1:
+        shares: list[Any] = [None] * world
+        torch.distributed.all_gather_object(shares, mine)
+        mine = np.concatenate(shares)
+    return compute_metrics(kind, mine, data.label)
 
 
 def train_step(model, batch, sift_lambda: float | None) -> tuple[torch.Tensor, float]:
-    """Task loss (+ the SiFT term, lambda included, when `sift_lambda`); returns (loss, SiFT term)."""
+    """Task loss (+ the SiFT term, lambda included, when `sift_lambda`); returns (loss, SiFT term).
+
+    `model` is the classifier or the DeepSpeed engine around it (which forwards attribute access to it)."""
     ids, mask, labels = batch
     out = model(ids, mask, labels=labels)
     if sift_lambda is None:
@@ -227,33 +275,32 @@ def train_step(model, batch, sift_lambda: float | None) -> tuple[torch.Tensor, f
     return out["loss"] + adv, float(adv.detach())
 
 
+def _epoch_result(epoch: int, losses: list[float], sifts: list[float], lr: float, started: float,
+                  dev_metrics: dict[str, float]) -> dict[str, Any]:
+    return {"epoch": epoch, "train_loss": float(np.mean(losses)), "sift_loss": float(np.mean(sifts)), "lr": lr,
+            "epoch_seconds": time.time() - started, **{f"dev_{k}": v for k, v in dev_metrics.items()}}
+
+
 def train_trial(config: dict[str, Any], *, data: tuple[Encoded, Encoded], weights: dict[str, torch.Tensor],
                 setup: TrialSetup) -> None:
-    """Tune function trainable: fine-tune one grid point, report dev metrics (and a checkpoint) per epoch."""
+    """Tune function trainable (trainer=torch): fine-tune one grid point in this process, report per epoch."""
     from ray import tune
 
     ft, (train, dev) = setup.ft, data
     torch.set_num_threads(ft.cpus_per_trial)
-    torch.manual_seed(config["seed"])
     device = "cuda" if ft.use_gpu and torch.cuda.is_available() else "cpu"
-    model = DebertaForSequenceClassification(setup.model, setup.num_labels, classifier_dropout=config["dropout"],
-                                             sift=ft.sift)
-    load_backbone(model, weights)
-    model.to(device)
+    model = build_classifier(setup, config, weights).to(device)
     bs = int(config["batch_size"])
-    steps_per_epoch = math.ceil(len(train) / bs)
-    opt = make_optimizer(model, config["lr"], ft)
+    opt = make_optimizer(model, config["lr"], ft, fused=device == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, linear_schedule(int(config["warmup_steps"]),
-                                                                   steps_per_epoch * ft.epochs))
+                                                                   steps_per_epoch(len(train), bs) * ft.epochs))
     rng = np.random.default_rng(config["seed"])
     best = -math.inf
     for epoch in range(1, ft.epochs + 1):
         model.train()
         started, losses, sifts = time.time(), [], []
-        order = rng.permutation(len(train))
-        for step in range(steps_per_epoch):
-            loss, adv = train_step(model, _batch(train, order[step * bs:(step + 1) * bs], device),
-                                   ft.sift_lambda if ft.sift else None)
+        for idx in epoch_batches(len(train), bs, rng):
+            loss, adv = train_step(model, _batch(train, idx, device), ft.sift_lambda if ft.sift else None)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), ft.grad_clip)
@@ -262,9 +309,7 @@ def train_trial(config: dict[str, Any], *, data: tuple[Encoded, Encoded], weight
             losses.append(float(loss.detach()))
             sifts.append(adv)
         dev_metrics = evaluate(model, dev, setup.kind, device)
-        result = {"epoch": epoch, "train_loss": float(np.mean(losses)), "sift_loss": float(np.mean(sifts)),
-                  "lr": sched.get_last_lr()[0], "epoch_seconds": time.time() - started,
-                  **{f"dev_{k}": v for k, v in dev_metrics.items()}}
+        result = _epoch_result(epoch, losses, sifts, sched.get_last_lr()[0], started, dev_metrics)
         if dev_metrics[setup.metric] > best:  # keep only improving epochs (num_to_keep=1 keeps the best)
             best = dev_metrics[setup.metric]
             with tempfile.TemporaryDirectory() as tmp:
@@ -272,6 +317,86 @@ def train_trial(config: dict[str, Any], *, data: tuple[Encoded, Encoded], weight
                 tune.report(result, checkpoint=tune.Checkpoint.from_directory(tmp))
         else:
             tune.report(result)
+
+
+# ----------------------------------------------------------------------------------------------- DeepSpeed trials
+
+def deepspeed_worker(loop_config: dict[str, Any]) -> None:
+    """Ray Train worker loop (trainer=deepspeed): one data-parallel share of one grid point."""
+    import deepspeed
+    import ray
+    import ray.train
+
+    from cluster.deepspeed_config import build_finetune_config
+    from stages.pretrain_loop import init_distributed
+
+    config, setup, payload = loop_config["grid"], loop_config["setup"], loop_config["payload"]
+    ft = setup.ft
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(ft.cpus_per_trial)
+    device = torch.device("cpu")
+    if ft.use_gpu:
+        import ray.train.torch
+
+        device = ray.train.torch.get_device()  # the GPU Ray assigned to this worker
+        torch.cuda.set_device(device)
+    init_distributed("nccl" if ft.use_gpu else "gloo")
+    train, dev = ray.get(payload["data"])
+    model = build_classifier(setup, config, ray.get(payload["weights"]))
+    bs = int(config["batch_size"])
+    opt = make_optimizer(model, config["lr"], ft, fused=ft.use_gpu)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, linear_schedule(int(config["warmup_steps"]),
+                                                                   steps_per_epoch(len(train), bs, world) * ft.epochs))
+    engine, _, _, sched = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched,
+                                               config=build_finetune_config(ft, bs, world))
+    rng = np.random.default_rng(config["seed"])  # the same order on every worker; each takes rows rank::world
+    best = -math.inf
+    for epoch in range(1, ft.epochs + 1):
+        engine.train()
+        started, losses, sifts = time.time(), [], []
+        for idx in epoch_batches(len(train), bs, rng, world):
+            loss, adv = train_step(engine, _batch(train, idx[rank::world], device),
+                                   ft.sift_lambda if ft.sift else None)
+            engine.backward(loss)
+            engine.step()  # clipping, the optimizer, the LR schedule, zeroing the gradients
+            losses.append(float(loss.detach()))
+            sifts.append(adv)
+        mean = torch.tensor([np.mean(losses), np.mean(sifts)], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(mean)
+        losses, sifts = [float(mean[0]) / world], [float(mean[1]) / world]
+        dev_metrics = evaluate(engine, dev, setup.kind, device, rank, world)
+        result = _epoch_result(epoch, losses, sifts, sched.get_last_lr()[0], started, dev_metrics)
+        result["world_size"] = world
+        if dev_metrics[setup.metric] > best:
+            best = dev_metrics[setup.metric]
+            with tempfile.TemporaryDirectory() as tmp:
+                engine.save_16bit_model(tmp, "model.pt")  # collective under ZeRO-3; rank 0 writes the full model
+                ray.train.report(result, checkpoint=ray.train.Checkpoint.from_directory(tmp) if rank == 0 else None)
+        else:
+            ray.train.report(result)
+
+
+def deepspeed_trial(config: dict[str, Any], *, payload: dict[str, Any], setup: TrialSetup, storage_path: str) -> None:
+    """Tune function trainable (trainer=deepspeed): run the grid point as a Ray Train job of DeepSpeed workers."""
+    from ray import train, tune
+    from ray.train.torch import TorchTrainer
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    ft, metric, ctx = setup.ft, f"dev_{setup.metric}", tune.get_context()
+    trainer = TorchTrainer(
+        deepspeed_worker,
+        train_loop_config={"grid": dict(config), "setup": setup, "payload": payload},
+        scaling_config=train.ScalingConfig(num_workers=ft.workers_per_trial, use_gpu=ft.use_gpu,
+                                           resources_per_worker={"CPU": ft.cpus_per_trial}),
+        run_config=train.RunConfig(
+            name=f"{ctx.get_experiment_name()}-{ctx.get_trial_id()}", storage_path=storage_path,
+            callbacks=[TuneReportCallback()],
+            checkpoint_config=train.CheckpointConfig(num_to_keep=1, checkpoint_score_attribute=metric,
+                                                     checkpoint_score_order="max"),
+            failure_config=train.FailureConfig(max_failures=0)),
+    )
+    trainer.fit()
 
 
 # ----------------------------------------------------------------------------------------------- MLflow per trial
@@ -322,8 +447,19 @@ def run_sweep(cfg: FinetuneConfig, setup: TrialSetup, data: tuple[Encoded, Encod
     from ray.tune.schedulers import ASHAScheduler
 
     metric = f"dev_{setup.metric}"
-    trainable = tune.with_parameters(train_trial, data=data, weights=weights, setup=setup)
-    resources = {"cpu": cfg.cpus_per_trial, "gpu": 1 if cfg.use_gpu else 0}
+    if cfg.trainer == "deepspeed":
+        import ray
+
+        # refs inside the parameter: the trial passes them on to its workers, which fetch them themselves
+        payload = {"data": ray.put(data), "weights": ray.put(weights)}
+        trainable = tune.with_parameters(deepspeed_trial, payload=payload, setup=setup,
+                                         storage_path=str(Path(storage_path) / f"{name}-train"))
+        # The trial function only waits on its Ray Train run, which reserves the workers itself. Tune refuses an
+        # empty request, so the trial asks for one byte of memory: nothing a worker needs (a CPU would be).
+        resources = {"cpu": 0, "memory": 1}
+    else:
+        trainable = tune.with_parameters(train_trial, data=data, weights=weights, setup=setup)
+        resources = {"cpu": cfg.cpus_per_trial, "gpu": 1 if cfg.use_gpu else 0}
     scheduler = None
     if cfg.scheduler == "asha":  # grace 1 epoch, halve at each rung; time unit = epochs (one report each)
         scheduler = ASHAScheduler(time_attr="training_iteration", max_t=cfg.epochs, grace_period=1,
@@ -362,6 +498,17 @@ def results_table(grid, metric: str):
         row.update({c: float(best[c]) for c in hist.columns if c.startswith("dev_")})
         rows.append(row)
     return pd.DataFrame(rows).sort_values(list(GRID_KEYS) + ["seed"]).reset_index(drop=True)
+
+
+def best_checkpoint(result, metric: str):
+    """The trial's checkpoint from its best epoch: Tune's own (trainer=torch), or the Ray Train checkpoint whose
+    path `TuneReportCallback` put in that epoch's result (trainer=deepspeed)."""
+    from ray import tune
+
+    hist = result.metrics_dataframe
+    if "checkpoint_path" in hist.columns:
+        return tune.Checkpoint(hist.loc[hist[metric].idxmax(), "checkpoint_path"])
+    return result.get_best_checkpoint(metric, "max")
 
 
 def pick_champion(table, metric: str) -> dict[str, Any]:
@@ -458,7 +605,7 @@ def run(cfg: FinetuneConfig, *, model: DebertaConfig, inputs: dict[str, Any], ou
     plot_sweep(table, metric, baseline, out / "sweep.png", f"{task.name}: {ctx.preset}, sweep {ctx.artifact_id}")
     champion = pick_champion(table, metric)
     best = next(r for r in grid if r.metrics["trial_id"] == champion["trial_id"])
-    save_model(out / "model", best.get_best_checkpoint(metric, "max"), setup, task, tok_dir, champion)
+    save_model(out / "model", best_checkpoint(best, metric), setup, task, tok_dir, champion)
     (out / "champion.json").write_text(json.dumps(_jsonable(champion), indent=2, sort_keys=True) + "\n")
 
     version = register_champion(ctx, out / "model", task, champion, metric, baseline)
