@@ -279,6 +279,12 @@ def check_finetune_trainer(f: FinetuneConfig, num_gpus: int | None = None) -> No
     _check(f.trainer == "deepspeed" or f.workers_per_trial == 1,
            f"finetune.workers_per_trial={f.workers_per_trial} needs finetune.trainer=deepspeed (a torch trial is one process)")
     _check(f.zero_stage in (0, 1, 2, 3), f"finetune.zero_stage={f.zero_stage}: DeepSpeed ZeRO stages are 0, 1, 2, 3")
+    # Tune stops an ASHA loser (and a trial at ASHA's last rung) by killing its function actor; Ray 2.60 then leaves
+    # the Train run's worker placement group reserved (ray-project/ray#54305): the next trials wait forever.
+    _check(not (f.trainer == "deepspeed" and f.scheduler == "asha"),
+           "finetune.scheduler=asha cannot stop DeepSpeed trials: Ray keeps the workers of a Train run that Tune "
+           "stops reserved (ray-project/ray#54305), so the sweep would stall; use finetune.scheduler=grid, "
+           "or finetune.trainer=torch")
     uneven = [b for b in f.batch_size if b % workers]
     _check(not uneven, f"finetune.batch_size {uneven} cannot be split evenly over workers_per_trial={workers}; "
                        f"use batch sizes that are multiples of {workers} or fewer workers")

@@ -78,3 +78,31 @@ def test_embedding_rows_cover_tokenizer():
     small = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=cfg.vocab.vocab_size))
     with pytest.raises(ConfigError, match="embedding rows < tokenizer length"):
         validate(small)
+
+
+def test_finetune_trial_layout_of_the_presets():
+    assert PRESETS["deberta-base"]().finetune.trainer == "torch"
+    large, big = PRESETS["deberta-large"]().finetune, PRESETS["deberta-1.5b"]().finetune
+    assert (large.trainer, large.workers_per_trial) == ("deepspeed", 2)
+    assert (big.trainer, big.workers_per_trial, big.use_gpu) == ("deepspeed", 8, True)
+    validate(apply_overrides(PRESETS["deberta-1.5b"](), ["pretrain.use_gpu=false"]), num_gpus_available=8)
+
+
+@pytest.mark.parametrize("items, fragment", [
+    (["finetune.trainer=horovod"], "finetune.trainer='horovod': use torch or deepspeed"),
+    (["finetune.workers_per_trial=2"], "workers_per_trial=2 needs finetune.trainer=deepspeed"),
+    (["finetune.trainer=deepspeed", "finetune.workers_per_trial=3", "finetune.batch_size=16,24"],
+     r"batch_size \[16\] cannot be split evenly over workers_per_trial=3"),
+    (["finetune.trainer=deepspeed", "finetune.zero_stage=5"], "finetune.zero_stage=5: DeepSpeed ZeRO stages"),
+    (["finetune.trainer=deepspeed", "finetune.scheduler=asha"], "asha cannot stop DeepSpeed trials.*scheduler=grid"),
+    (["finetune.trainer=deepspeed", "finetune.workers_per_trial=0"], "must be >= 1"),
+])
+def test_finetune_trainer_errors_name_the_key_and_fix(items, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        validate(apply_overrides(PRESETS["debug"](), items))
+
+
+def test_finetune_gpus_per_trial_checked_against_the_cluster():
+    cfg = apply_overrides(PRESETS["deberta-1.5b"](), ["pretrain.use_gpu=false"])  # the fine-tuning check alone
+    with pytest.raises(ConfigError, match="needs 8 GPU\\(s\\) per trial but the Ray cluster has 4"):
+        validate(cfg, num_gpus_available=4)

@@ -102,3 +102,16 @@ def test_checkpoint_mismatch_is_one_clear_error(tmp_path):
         checkpoint.load_into(DebertaForMaskedLM(cfg.replace(vocab_size=400)), tmp_path / "model")
     with pytest.raises(checkpoint.CheckpointError, match="no model.pt"):
         checkpoint.load_state_dict(tmp_path)
+
+
+def test_finetune_config_splits_the_batch_and_keeps_the_client_schedule():
+    from cluster.deepspeed_config import build_finetune_config
+    from pipeline.config import FinetuneConfig
+
+    ds = build_finetune_config(FinetuneConfig(zero_stage=3, grad_clip=0.5), batch_size=48, world_size=8)
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (48, 6, 1)
+    assert ds["gradient_clipping"] == 0.5 and "scheduler" not in ds and "optimizer" not in ds
+    assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+    assert ds["bf16"]["enabled"] is False  # FinetuneConfig.use_gpu is off: fp32 on CPU
+    with pytest.raises(ConfigError, match="batch_size=20 cannot be split evenly over 8 workers"):
+        build_finetune_config(FinetuneConfig(), batch_size=20, world_size=8)
