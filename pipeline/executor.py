@@ -49,27 +49,25 @@ def _lineage_inputs(refs: dict[str, Any]) -> dict[str, tuple[str, str, str]]:
 
 
 def _connect_ray(cfg: PipelineConfig, stages: list[str]) -> None:
+    """Connect, then check the config against the real cluster. Raises ConfigError, which the entry point prints
+    as one line (not run.UserError: under `python -m pipeline.run` that class lives in `__main__`)."""
     from cluster.ray_init import cluster_cpus, cluster_gpus, connect
-    from pipeline.run import UserError
 
     print(connect(cfg.ray), flush=True)
-    try:
-        validate(cfg, num_gpus_available=cluster_gpus())  # GPU asks are checked against the real cluster
-    except ConfigError as e:
-        raise UserError(str(e)) from None
+    validate(cfg, num_gpus_available=cluster_gpus())  # GPU asks are checked against the real cluster
     p = cfg.pretrain
     held = p.num_workers * p.cpus_per_worker
     if "pretrain" in stages and not p.use_gpu and cluster_cpus() <= held:
         # Training workers hold their CPUs for the whole run; the Ray Data tasks that stream
         # their shards need a CPU of their own, or the run waits forever.
-        raise UserError(
+        raise ConfigError(
             f"pretrain needs more than {held} Ray CPUs (num_workers x cpus_per_worker) so Ray Data can feed "
             f"the workers, but the cluster has {cluster_cpus()}; set ray.num_cpus={held + 2} for a local Ray, "
             f"or lower pretrain.num_workers")
     f = cfg.finetune
     trial = f.cpus_per_trial * (f.workers_per_trial if f.trainer == "deepspeed" else 1)
     if "finetune" in stages and cluster_cpus() < trial:
-        raise UserError(
+        raise ConfigError(
             f"one finetune trial needs {trial} Ray CPUs (cpus_per_trial x workers) but the cluster has "
             f"{cluster_cpus()}; lower finetune.cpus_per_trial or finetune.workers_per_trial, or add nodes")
 

@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _main(args)
-    except UserError as e:
+    except (UserError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
