@@ -275,9 +275,9 @@ def train_step(model, batch, sift_lambda: float | None) -> tuple[torch.Tensor, f
     return out["loss"] + adv, float(adv.detach())
 
 
-def _epoch_result(epoch: int, losses: list[float], sifts: list[float], lr: float, started: float,
+def _epoch_result(epoch: int, train_loss: float, sift_term: float, lr: float, started: float,
                   dev_metrics: dict[str, float]) -> dict[str, Any]:
-    return {"epoch": epoch, "train_loss": float(np.mean(losses)), "sift_loss": float(np.mean(sifts)), "lr": lr,
+    return {"epoch": epoch, "train_loss": train_loss, "sift_loss": sift_term, "lr": lr,
             "epoch_seconds": time.time() - started, **{f"dev_{k}": v for k, v in dev_metrics.items()}}
 
 
@@ -309,7 +309,8 @@ def train_trial(config: dict[str, Any], *, data: tuple[Encoded, Encoded], weight
             losses.append(float(loss.detach()))
             sifts.append(adv)
         dev_metrics = evaluate(model, dev, setup.kind, device)
-        result = _epoch_result(epoch, losses, sifts, sched.get_last_lr()[0], started, dev_metrics)
+        result = _epoch_result(epoch, float(np.mean(losses)), float(np.mean(sifts)), sched.get_last_lr()[0],
+                               started, dev_metrics)
         if dev_metrics[setup.metric] > best:  # keep only improving epochs (num_to_keep=1 keeps the best)
             best = dev_metrics[setup.metric]
             with tempfile.TemporaryDirectory() as tmp:
@@ -343,7 +344,9 @@ def deepspeed_worker(loop_config: dict[str, Any]) -> None:
         torch.cuda.set_device(device)
     init_distributed("nccl" if ft.use_gpu else "gloo")
     train, dev = ray.get(payload["data"])
-    model = build_classifier(setup, config, ray.get(payload["weights"]))
+    model = build_classifier(setup, config, ray.get(payload["weights"]))  # seeded: the same weights on every rank
+    if rank:  # the other workers draw their own dropout masks (rank 0 continues as a torch trial would)
+        torch.manual_seed(config["seed"] * 1_009 + rank)
     bs = int(config["batch_size"])
     opt = make_optimizer(model, config["lr"], ft, fused=ft.use_gpu)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, linear_schedule(int(config["warmup_steps"]),
@@ -362,11 +365,11 @@ def deepspeed_worker(loop_config: dict[str, Any]) -> None:
             engine.step()  # clipping, the optimizer, the LR schedule, zeroing the gradients
             losses.append(float(loss.detach()))
             sifts.append(adv)
-        mean = torch.tensor([np.mean(losses), np.mean(sifts)], dtype=torch.float64, device=device)
-        torch.distributed.all_reduce(mean)
-        losses, sifts = [float(mean[0]) / world], [float(mean[1]) / world]
+        means = torch.tensor([np.mean(losses), np.mean(sifts)], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(means)  # sum over workers
+        train_loss, sift_term = (means / world).tolist()
         dev_metrics = evaluate(engine, dev, setup.kind, device, rank, world)
-        result = _epoch_result(epoch, losses, sifts, sched.get_last_lr()[0], started, dev_metrics)
+        result = _epoch_result(epoch, train_loss, sift_term, sched.get_last_lr()[0], started, dev_metrics)
         result["world_size"] = world
         if dev_metrics[setup.metric] > best:
             best = dev_metrics[setup.metric]
