@@ -12,32 +12,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.config import ConfigError, FinetuneConfig, PretrainConfig
+from pipeline.config import (ConfigError, FinetuneConfig, PretrainConfig, check_zero_stage,
+                             pretrain_accumulation)
 
-ZERO_STAGES = (0, 1, 2, 3)
 QUIET_STEPS = 10**9
 """DeepSpeed prints its own progress every `steps_per_print`; the training loop prints ours instead."""
-
-
-def accumulation_steps(cfg: PretrainConfig, world_size: int) -> int:
-    """Micro-batches per optimizer step on each worker; raises ConfigError unless the batch splits exactly."""
-    if world_size < 1 or cfg.micro_batch_size < 1:
-        raise ConfigError(f"pretrain: world size {world_size} and micro_batch_size={cfg.micro_batch_size} must be >= 1")
-    per_pass = cfg.micro_batch_size * world_size
-    if cfg.train_batch_size % per_pass or cfg.train_batch_size < per_pass:
-        raise ConfigError(
-            f"pretrain.train_batch_size={cfg.train_batch_size} must equal micro_batch_size x accumulation x workers "
-            f"= {cfg.micro_batch_size} x k x {world_size} for a whole k >= 1; pick a multiple of {per_pass} "
-            f"(e.g. train_batch_size={per_pass * max(1, round(cfg.train_batch_size / per_pass))})")
-    return cfg.train_batch_size // per_pass
 
 
 def _engine_config(train_batch: int, micro: int, accum: int, clip: float, zero_stage: int, use_gpu: bool,
                    what: str) -> dict[str, Any]:
     """What pretraining and fine-tuning engines share: batch arithmetic, clipping, ZeRO, precision."""
-    if zero_stage not in ZERO_STAGES:
-        raise ConfigError(f"{what}.zero_stage={zero_stage}: DeepSpeed ZeRO stages are 0, 1, 2 and 3 "
-                          f"(2 shards optimizer state + gradients, 3 also parameters)")
+    check_zero_stage(zero_stage, what)
     zero: dict[str, Any] = {"stage": zero_stage}
     if zero_stage >= 2:
         zero.update(contiguous_gradients=True, overlap_comm=use_gpu, reduce_scatter=True)
@@ -60,7 +45,7 @@ def _engine_config(train_batch: int, micro: int, accum: int, clip: float, zero_s
 
 def build_deepspeed_config(cfg: PretrainConfig, world_size: int, use_gpu: bool) -> dict[str, Any]:
     """DeepSpeed JSON for `world_size` workers; every invariant DeepSpeed would assert deep inside is checked here."""
-    accum = accumulation_steps(cfg, world_size)
+    accum = pretrain_accumulation(cfg, world_size)  # the same check `validate` runs
     if cfg.max_steps < 1 or cfg.warmup_steps < 0:
         raise ConfigError(f"pretrain.max_steps={cfg.max_steps} must be >= 1 and warmup_steps={cfg.warmup_steps} >= 0")
     config = _engine_config(cfg.train_batch_size, cfg.micro_batch_size, accum, cfg.grad_clip, cfg.zero_stage,

@@ -262,6 +262,27 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def check_zero_stage(stage: int, section: str) -> None:
+    """One message for a bad ZeRO stage, from `validate` and from the DeepSpeed config builder alike."""
+    _check(stage in ZERO_STAGES, f"{section}.zero_stage={stage}: DeepSpeed ZeRO stages are 0, 1, 2 and 3 "
+                                 f"(2 shards optimizer state + gradients, 3 also parameters)")
+
+
+def pretrain_accumulation(p: PretrainConfig, world_size: int) -> int:
+    """Micro-batches per optimizer step on each worker; ConfigError unless train_batch_size splits exactly."""
+    _check(world_size >= 1 and p.micro_batch_size >= 1,
+           f"pretrain: world size {world_size} and micro_batch_size={p.micro_batch_size} must be >= 1")
+    per_pass = p.micro_batch_size * world_size
+    _check(p.train_batch_size % per_pass == 0 and p.train_batch_size >= per_pass,
+           f"pretrain.train_batch_size={p.train_batch_size} must equal micro_batch_size x accumulation x workers "
+           f"= {p.micro_batch_size} x k x {world_size} for a whole k >= 1; pick a multiple of {per_pass} "
+           f"(e.g. train_batch_size={per_pass * max(1, round(p.train_batch_size / per_pass))})")
+    return p.train_batch_size // per_pass
+
+
 def pretrain_gpu_shortfall(p: PretrainConfig, num_gpus: int | None) -> str | None:
     """The message when pretraining asks for more GPUs than the cluster has (None: fine or unknown)."""
     if num_gpus is None or not p.use_gpu or num_gpus >= p.num_workers:
@@ -278,7 +299,7 @@ def check_finetune_trainer(f: FinetuneConfig, num_gpus: int | None = None) -> No
     workers = f.workers_per_trial if f.trainer == "deepspeed" else 1
     _check(f.trainer == "deepspeed" or f.workers_per_trial == 1,
            f"finetune.workers_per_trial={f.workers_per_trial} needs finetune.trainer=deepspeed (a torch trial is one process)")
-    _check(f.zero_stage in (0, 1, 2, 3), f"finetune.zero_stage={f.zero_stage}: DeepSpeed ZeRO stages are 0, 1, 2, 3")
+    check_zero_stage(f.zero_stage, "finetune")
     # Tune stops an ASHA loser (and a trial at ASHA's last rung) by killing its function actor; Ray 2.60 then leaves
     # the Train run's worker placement group reserved (ray-project/ray#54305): the next trials wait forever.
     _check(not (f.trainer == "deepspeed" and f.scheduler == "asha"),
@@ -313,13 +334,8 @@ def validate(cfg: PipelineConfig, num_gpus_available: int | None = None) -> None
         2 <= t.max_seq_len <= m.max_position_embeddings,
         f"tokenize.max_seq_len={t.max_seq_len}: must be in [2, model.max_position_embeddings={m.max_position_embeddings}]",
     )
-    _check(p.zero_stage in (0, 1, 2, 3), f"pretrain.zero_stage={p.zero_stage}: DeepSpeed ZeRO stages are 0, 1, 2, 3")
-    per_step = p.micro_batch_size * p.num_workers
-    _check(
-        p.train_batch_size % per_step == 0,
-        f"pretrain.train_batch_size={p.train_batch_size} is not divisible by micro_batch_size x num_workers "
-        f"= {p.micro_batch_size} x {p.num_workers} = {per_step}; pick a multiple of {per_step}",
-    )
+    check_zero_stage(p.zero_stage, "pretrain")
+    pretrain_accumulation(p, p.num_workers)
     _check(p.max_steps > 0 and p.warmup_steps >= 0, "pretrain.max_steps must be > 0 and warmup_steps >= 0")
     shortfall = pretrain_gpu_shortfall(p, num_gpus_available)
     _check(shortfall is None, shortfall or "")

@@ -345,7 +345,7 @@ def check_trained(result, out: Path, tracker, cfg: PretrainConfig, cluster: Clus
 
 def test_bad_config_one_message_before_workers(ray_cluster_2_nodes, tokens, model_cfg, workdir, lineage, tmp_path):
     bad = {
-        "not divisible": (replace(BASE, train_batch_size=24), "not divisible|must equal micro_batch_size"),
+        "not divisible": (replace(BASE, train_batch_size=24), "must equal micro_batch_size x accumulation x workers"),
         "zero 4": (replace(BASE, zero_stage=4), "ZeRO stages are 0, 1, 2 and 3"),
         "gpu on cpu": (replace(BASE, use_gpu=True), "asks for 2 GPUs but the Ray cluster has 0"),
     }

@@ -61,12 +61,12 @@ def test_override_errors_name_the_key(item, fragment):
 
 def test_batch_divisibility_checked():
     cfg = apply_overrides(PRESETS["debug"](), ["pretrain.train_batch_size=20"])
-    with pytest.raises(ConfigError, match="not divisible by micro_batch_size x num_workers"):
+    with pytest.raises(ConfigError, match="must equal micro_batch_size x accumulation x workers"):
         validate(cfg)
 
 
 def test_zero_stage_and_gpu_checked():
-    with pytest.raises(ConfigError, match="ZeRO stages are 0, 1, 2, 3"):
+    with pytest.raises(ConfigError, match="ZeRO stages are 0, 1, 2 and 3"):
         validate(apply_overrides(PRESETS["debug"](), ["pretrain.zero_stage=4"]))
     gpu = apply_overrides(PRESETS["debug"](), ["pretrain.use_gpu=true"])
     with pytest.raises(ConfigError, match="the Ray cluster has 0"):
