@@ -13,6 +13,7 @@ metric improves. Two trainers run that same recipe:
              per-epoch results to Tune. Each step's batch is split evenly over the workers; ZeRO shards the
              optimizer state (stage 1-2) and the weights (stage 3); the dev set is split over the workers and
              the predictions gathered; an improving epoch's weights are gathered with `save_16bit_model`.
+             Not with ASHA: Ray keeps the workers of a Train run that Tune stops (pipeline.config says more).
 
 The driver tokenises the task once and hands the arrays and the backbone weights to every trial through the
 object store (`tune.with_parameters`), so trials need no shared filesystem. A Tune callback mirrors every trial
