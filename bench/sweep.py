@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _pretrained(args) -> Path:
+def pretrained_dir(args) -> Path:
     if args.pretrained:
         return args.pretrained
     target = args.workdir / "tiny" / "pretrain"
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     from stages.vocab import Tokenizer
 
     args.workdir.mkdir(parents=True, exist_ok=True)
-    pre = _pretrained(args)
+    pre = pretrained_dir(args)
     task = resolve_task(args.task)
     cfg = FinetuneConfig(task=args.task, dropout=args.dropout, warmup_steps=args.warmup_steps, lr=args.lr,
                          batch_size=args.batch_size, seeds=args.seeds, epochs=args.epochs,

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.sweep import _pretrained  # noqa: E402  (the tiny real checkpoint, built once under --workdir)
+from bench.sweep import pretrained_dir  # noqa: E402  (the tiny real checkpoint, built once under --workdir)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     from stages.vocab import Tokenizer
 
     args.workdir.mkdir(parents=True, exist_ok=True)
-    pre = _pretrained(args)
+    pre = pretrained_dir(args)
     task = resolve_task(args.task)
     base = FinetuneConfig(task=args.task, dropout=(0.0,), warmup_steps=(10,), lr=(args.lr,),
                           batch_size=(args.batch_size,), epochs=args.epochs, max_seq_len=args.max_seq_len,
