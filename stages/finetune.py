@@ -8,8 +8,8 @@ metric improves. Two trainers run that same recipe:
 
   torch      (base and smaller) the trial is one process: plain torch on `cpus_per_trial` threads or one GPU.
   deepspeed  (large, 1.5B) the trial is a Ray Train run of `workers_per_trial` DeepSpeed workers: the trial's
-             Tune function starts a `TorchTrainer` (Ray Train V2's Tune integration: Tune reserves nothing for
-             the trial itself, the Train run reserves its workers) and `TuneReportCallback` forwards rank 0's
+             Tune function starts a `TorchTrainer` (Ray Train V2's Tune integration: Tune reserves one byte of
+             memory for the trial itself, the Train run reserves its workers) and `TuneReportCallback` forwards rank 0's
              per-epoch results to Tune. Each step's batch is split evenly over the workers; ZeRO shards the
              optimizer state (stage 1-2) and the weights (stage 3); the dev set is split over the workers and
              the predictions gathered; an improving epoch's weights are gathered with `save_16bit_model`.
