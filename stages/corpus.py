@@ -36,7 +36,7 @@ import xxhash
 
 from pipeline.config import CorpusConfig
 from stages.base import StageContext, StageInputError, StageResult
-from stages.corpus_io import ReadOptions, list_sources as _list_sources, read_file
+from stages.corpus_io import list_sources as _list_sources, read_file
 from stages.minhash import MinHasher, band_keys, jaccard, lsh_params, normalize, shingle_set
 
 NAME = "corpus"
@@ -91,7 +91,7 @@ def is_validation(ids: Sequence[str], fraction: float) -> np.ndarray:
 # ---------------------------------------------------------------- Ray Data batch functions
 
 
-def _read_files(batch: pa.Table, opts: ReadOptions, batch_rows: int) -> Iterator[pa.Table]:
+def _read_files(batch: pa.Table, opts: CorpusConfig, batch_rows: int) -> Iterator[pa.Table]:
     """Files -> documents and rejections, yielded in batches of <= batch_rows rows / BATCH_BYTES."""
     cols: dict[str, list] = {name: [] for name in DOC_SCHEMA.names}
     size = 0
@@ -371,7 +371,6 @@ def _ingest(files: list[tuple[str, int, int]], plan: _Plan):
     import ray
 
     cfg = plan.cfg
-    opts = ReadOptions(cfg.txt_mode, cfg.jsonl_field, cfg.parquet_column, cfg.max_doc_bytes)
     # Files are grouped into read tasks (~READ_TASK_BYTES, at least two per CPU): a task per small
     # file costs more in scheduling than in reading. Reading is I/O (a fraction of a CPU) and a
     # separate operator from hashing, so one big file's batches fan out to every core.
@@ -379,7 +378,7 @@ def _ingest(files: list[tuple[str, int, int]], plan: _Plan):
     read_tasks = min(len(files), MAX_READ_TASKS, max(2 * cpus, -(-sum(s for _, s, _ in files) // READ_TASK_BYTES)))
     return (ray.data.from_items([{"path": p} for p, _, _ in files], override_num_blocks=read_tasks)
             .map_batches(_read_files, batch_size=1, batch_format="pyarrow", num_cpus=0.25,
-                         fn_kwargs={"opts": opts, "batch_rows": cfg.batch_size})
+                         fn_kwargs={"opts": cfg, "batch_rows": cfg.batch_size})
             .map_batches(_fingerprint, num_cpus=1, fn_kwargs={"hasher": plan.hasher}, **plan.batch)
             .materialize())
 

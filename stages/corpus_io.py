@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from pipeline.config import CorpusConfig
 from stages.base import StageInputError
 
 COMPRESSION = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".zstd": "zstd"}
@@ -42,14 +43,6 @@ class Record:
     index: int
     text: str | None = None
     reason: str | None = None
-
-
-@dataclass(frozen=True)
-class ReadOptions:
-    txt_mode: str = "document"
-    jsonl_field: str = "text"
-    parquet_column: str = "text"
-    max_doc_bytes: int = 8 * 1024 * 1024
 
 
 # ---------------------------------------------------------------- listing
@@ -241,7 +234,7 @@ class _Sniffed:
         return self.stream.read(n)
 
 
-def _read_text(src: _Sniffed, path: str, fmt: str, opts: ReadOptions) -> Iterator[Record]:
+def _read_text(src: _Sniffed, path: str, fmt: str, opts: CorpusConfig) -> Iterator[Record]:
     limit = opts.max_doc_bytes
     if fmt == "txt" and opts.txt_mode == "document":
         raw = src.read(limit + 1)
@@ -281,7 +274,7 @@ def _json_field(line: str, field: str, where: str) -> tuple[str | None, str | No
     return value, None
 
 
-def _read_parquet(fs: pafs.FileSystem, fs_path: str, path: str, opts: ReadOptions) -> Iterator[Record]:
+def _read_parquet(fs: pafs.FileSystem, fs_path: str, path: str, opts: CorpusConfig) -> Iterator[Record]:
     pf = pq.ParquetFile(fs.open_input_file(fs_path))
     col = opts.parquet_column
     if col not in pf.schema_arrow.names:
@@ -309,7 +302,7 @@ def _read_parquet(fs: pafs.FileSystem, fs_path: str, path: str, opts: ReadOption
             index += 1
 
 
-def read_file(path: str, opts: ReadOptions) -> Iterator[Record]:
+def read_file(path: str, opts: CorpusConfig) -> Iterator[Record]:
     """Documents and rejections of one file, in order. Never raises for bad input: a file that
     cannot be opened, decompressed or parsed yields a rejection (after the records read before
     the failure, which are kept), so one corrupt file never stops the corpus."""

@@ -20,7 +20,7 @@ import zstandard
 from pipeline.config import CorpusConfig
 from stages import corpus
 from stages.base import StageContext, StageInputError
-from stages.corpus_io import ReadOptions, list_sources, read_file
+from stages.corpus_io import list_sources, read_file
 from stages.minhash import jaccard, normalize, shingle_set
 
 FIFTY_MB = 50 * 1024 * 1024
@@ -124,7 +124,7 @@ def test_list_sources_expands_dirs_globs_and_uris(planted):
 
 def test_read_file_rejects_bad_inputs_with_reasons(planted):
     bad = planted["root"] / "bad"
-    opts = ReadOptions()
+    opts = CorpusConfig()  # the reader's options are the [corpus] section's
 
     def reasons(name: str) -> list[str]:
         return [r.reason for r in read_file(str(bad / name), opts) if r.reason]
