@@ -94,7 +94,8 @@ def _profile(args: argparse.Namespace, step, inputs) -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(2):
             step(*inputs)
-        torch.cuda.synchronize()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
     name = f"profile_{args.mode}{args.zero[0] if args.mode == 'deepspeed' else ''}.txt"
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
     (args.profile / name).write_text(table)
@@ -181,7 +182,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: a smoke run of the code path only (fp32, gloo; no MFU or memory figures)")
     p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--profile", type=Path, default=None, help="folder for a torch.profiler table per mode (CUDA)")
+    p.add_argument("--profile", type=Path, default=None, help="folder for a torch.profiler table per mode")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     return p.parse_args(argv)
