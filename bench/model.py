@@ -33,14 +33,21 @@ from pathlib import Path
 import torch
 
 from deberta import flops
-from deberta.config import DebertaConfig, deberta_1_5b, deberta_base
+from deberta.config import DebertaConfig
 from deberta.masking import SpanMasker
+from pipeline.presets import MODEL_1_5B, MODEL_BASE, MODEL_LARGE
 
-LIKE = {"base": deberta_base, "1.5b": deberta_1_5b}
+LIKE = {"base": MODEL_BASE, "large": MODEL_LARGE, "1.5b": MODEL_1_5B}
+"""The pipeline presets' model shapes (`--like`)."""
+
+
+def like(name: str, **changes) -> DebertaConfig:
+    """The preset shape `name` as the model library's config, with some fields changed."""
+    return DebertaConfig.from_dict({**LIKE[name].to_dict(), **changes})
 
 
 def build_config(args: argparse.Namespace) -> DebertaConfig:
-    return LIKE[args.like](vocab_size=args.vocab, num_hidden_layers=args.layers)
+    return like(args.like, vocab_size=args.vocab, num_hidden_layers=args.layers)
 
 
 def make_inputs(cfg: DebertaConfig, batch: int, seq: int, device: str):

@@ -1,8 +1,8 @@
 """Benchmark: one pretraining optimizer step on one GPU, the stage's DeepSpeed engine vs plain torch AMP.
 
-ours   `stages.pretrain_loop.make_engine` with `cluster.deepspeed_config.build_deepspeed_config` for the
-       preset's ZeRO stage (world size 1, bf16 weights, fp32 master copy in DeepSpeed's optimizer wrapper),
-       client torch AdamW, DeepSpeed's gradient clipping and WarmupDecayLR.
+ours   the pipeline's engine (`cluster.engine.build`) with `cluster.deepspeed_config.build_deepspeed_config` for
+       the preset's ZeRO stage (world size 1, bf16 weights, fp32 master copy in DeepSpeed's optimizer wrapper),
+       client torch AdamW and linear schedule, DeepSpeed's gradient clipping.
 torch  what one writes without DeepSpeed: fp32 weights, `torch.autocast(bfloat16)`, fused torch AdamW,
        `clip_grad_norm_`, a constant learning rate (the engine warms up in 1 step; a schedule costs nothing).
 
@@ -30,23 +30,23 @@ from pathlib import Path
 
 import torch
 
-from bench.model import make_inputs
+from bench.model import LIKE, like, make_inputs
 from deberta import flops
-from deberta.config import DebertaConfig, deberta_1_5b, deberta_base, deberta_large
+from deberta.config import DebertaConfig
 
-LIKE = {"base": deberta_base, "large": deberta_large, "1.5b": deberta_1_5b}
 MODES = ("deepspeed", "torch")
 
 
 def build_config(args: argparse.Namespace) -> DebertaConfig:
     kw = {"vocab_size": args.vocab} | ({"num_hidden_layers": args.layers} if args.layers else {})
-    return LIKE[args.like](**kw)
+    return like(args.like, **kw)
 
 
 def _deepspeed_step(args: argparse.Namespace, cfg: DebertaConfig):
     from cluster.deepspeed_config import build_deepspeed_config
+    from cluster.engine import OptimSpec, build
+    from deberta.model import DebertaForMaskedLM, init_weights
     from pipeline.config import PretrainConfig
-    from stages.pretrain_loop import make_engine
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(args.port))
@@ -55,7 +55,10 @@ def _deepspeed_step(args: argparse.Namespace, cfg: DebertaConfig):
         torch.cuda.set_device(0)
     pcfg = PretrainConfig(num_workers=1, use_gpu=cuda, zero_stage=args.zero[0], micro_batch_size=args.micro,
                           train_batch_size=args.micro, warmup_steps=1, max_steps=10_000)
-    engine, _ = make_engine(pcfg, cfg, build_deepspeed_config(pcfg, 1, use_gpu=cuda), "nccl" if cuda else "gloo")
+    spec = OptimSpec(lr=pcfg.lr, warmup_steps=pcfg.warmup_steps, total_steps=pcfg.max_steps,
+                     weight_decay=pcfg.weight_decay, betas=(pcfg.adam_beta1, pcfg.adam_beta2), eps=pcfg.adam_eps)
+    engine = build(lambda: DebertaForMaskedLM(cfg), spec, ds_config=build_deepspeed_config(pcfg, 1, use_gpu=cuda),
+                   backend="nccl" if cuda else "gloo", seed=pcfg.seed, init_module=lambda m: init_weights(m, cfg))
 
     def step(ids, mask, labels):
         loss = engine(input_ids=ids, attention_mask=mask, labels=labels)["loss"]

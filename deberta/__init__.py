@@ -1,15 +1,11 @@
 """DeBERTa model library: torch only (no Ray, DeepSpeed or MLflow; `transformers` only in `deberta.hf`).
 
-    from deberta import DebertaForMaskedLM, SpanMasker, deberta_1_5b
+    from deberta import DebertaConfig, DebertaForMaskedLM, SpanMasker, debug
 """
 
 from deberta.config import (
-    PRESETS,
     DebertaConfig,
     debug,
-    deberta_1_5b,
-    deberta_base,
-    deberta_large,
     num_parameters,
     padded_vocab_size,
 )
@@ -19,16 +15,12 @@ from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification, 
 from deberta.sift import sift_loss
 
 __all__ = [
-    "PRESETS",
     "DebertaConfig",
     "DebertaForMaskedLM",
     "DebertaForSequenceClassification",
     "DebertaModel",
     "SpanMasker",
     "debug",
-    "deberta_1_5b",
-    "deberta_base",
-    "deberta_large",
     "num_parameters",
     "padded_vocab_size",
     "sift_loss",

@@ -1,4 +1,4 @@
-"""Typed, frozen model configuration and the size presets of SPEC.md.
+"""Typed, frozen model configuration, and `debug()`, the CPU-sized flavour the tests build.
 
 The field names follow `transformers.DebertaV2Config` wherever the concept exists there, so that
 `deberta.hf` converts configurations field by field. Fields that HF spells differently (or encodes
@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -138,55 +137,6 @@ def padded_vocab_size(tokenizer_len: int, multiple: int = 100) -> int:
     return int(math.ceil(tokenizer_len / multiple) * multiple)
 
 
-def deberta_1_5b(vocab_size: int = REFERENCE_VOCAB_ROWS, **overrides) -> DebertaConfig:
-    """The paper's 1.5B model (reference `deberta-v2-xxlarge`): 48 x 1536, 24 heads, 256 log buckets over 512,
-    shared position/content projections, conv beside layer 1. 1,564,549,632 parameters at 128,100 rows."""
-    base = dict(
-        vocab_size=vocab_size,
-        hidden_size=1536,
-        num_hidden_layers=48,
-        num_attention_heads=24,
-        intermediate_size=6144,
-        position_buckets=256,
-        max_relative_positions=-1,
-        share_att_key=True,
-        conv_kernel_size=3,
-    )
-    return DebertaConfig(**{**base, **overrides})
-
-
-def deberta_large(vocab_size: int = REFERENCE_VOCAB_ROWS, **overrides) -> DebertaConfig:
-    """DeBERTa-large (paper): 24 x 1024, 16 heads, k = 512 without buckets, separate position projections."""
-    base = dict(
-        vocab_size=vocab_size,
-        hidden_size=1024,
-        num_hidden_layers=24,
-        num_attention_heads=16,
-        intermediate_size=4096,
-        position_buckets=0,
-        max_relative_positions=-1,
-        share_att_key=False,
-        conv_kernel_size=0,
-    )
-    return DebertaConfig(**{**base, **overrides})
-
-
-def deberta_base(vocab_size: int = REFERENCE_VOCAB_ROWS, **overrides) -> DebertaConfig:
-    """DeBERTa-base (paper): 12 x 768, 12 heads, k = 512 without buckets, separate position projections."""
-    base = dict(
-        vocab_size=vocab_size,
-        hidden_size=768,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        intermediate_size=3072,
-        position_buckets=0,
-        max_relative_positions=-1,
-        share_att_key=False,
-        conv_kernel_size=0,
-    )
-    return DebertaConfig(**{**base, **overrides})
-
-
 def debug(vocab_size: int = 1000, **overrides) -> DebertaConfig:
     """CPU-sized model shaped like the 1.5B (log buckets, shared keys, conv): 3 x 64, 2 heads of 32.
 
@@ -206,14 +156,6 @@ def debug(vocab_size: int = 1000, **overrides) -> DebertaConfig:
         conv_kernel_size=3,
     )
     return DebertaConfig(**{**base, **overrides})
-
-
-PRESETS: dict[str, Callable[..., DebertaConfig]] = {
-    "debug": debug,
-    "deberta-base": deberta_base,
-    "deberta-large": deberta_large,
-    "deberta-1.5b": deberta_1_5b,
-}
 
 
 def num_parameters(cfg: DebertaConfig, model: str = "backbone") -> int:

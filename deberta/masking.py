@@ -1,13 +1,22 @@
 """Dynamic MLM masking at batch time: whole-word n-gram spans, 15%, 80/10/10 (SPEC.md "Pretraining").
 
-The procedure is the reference's (microsoft/DeBERTa `NGramMaskGenerator`): group tokens into whole
-words (a SentencePiece piece starting with "▁" starts a word); walk the words in windows of 6·n words,
-n ~ p(n) ∝ 1/n for n <= max_ngram, and pick one n-gram at a random offset in each window; then take
-the picked n-grams until round(0.15 · #non-special tokens) targets are reached. Two deviations, both
-about where the quota cuts: the picked n-grams are taken in random order rather than left to right
-(so the ends of long sequences are not under-masked), and the n-gram that crosses the quota is taken
-only if that lands nearer the quota (the reference always takes it and overshoots 15% on short text). Each target becomes [MASK] (80%), a random non-special token
-(10%) or stays (10%). Special tokens are never targets.
+The procedure is the reference's (microsoft/DeBERTa `apps/tasks/mlm_task.py`, `NGramMaskGenerator`):
+group tokens into whole words (a SentencePiece piece starting with "▁" starts a word); walk the words
+in windows of n·int(1/mlm_probability) words (6n at 15%), n ~ p(n) ∝ 1/n for n <= max_ngram, with one
+n-gram at a uniform offset in each window (the next window starts after the window or the n-gram,
+whichever ends later); then take the picked n-grams until round(0.15 · #non-special tokens) targets
+are reached. Each target becomes [MASK] (80%), a random non-special token (10%) or stays (10%). Special
+tokens are never targets. Where we differ (which candidates the quota keeps, what counts as a word):
+* the picked n-grams are taken in random order; the reference walks them left to right, so on rows
+  with more candidates than quota (about 1/6 of words are candidates) the row's end is under-masked;
+* the quota is cut at n-gram granularity: the n-gram that crosses it is taken only if that lands nearer
+  the quota (always at least one n-gram); the reference stops at the first *word* that reaches it, so
+  it may keep only part of the last n-gram;
+* the quota counts non-special tokens; the reference's counts the row's tokens incl. [CLS]/[SEP] and is
+  capped at max_preds_per_seq (80 for 512-token rows, above the 77 quota there);
+* a word starts only at "▁" (or after a special token); the reference's `part_of_whole_word` also starts
+  one at every one-character punctuation piece, and lets a continuation piece after a special token
+  join the word before it.
 
 Reproducible: the same (seed, step) always gives the same masks, independent of process or worker;
 pass a distinct `step` per batch (e.g. global step x micro-batch index) so batches differ.
@@ -75,9 +84,9 @@ class SpanMasker:
         self.seed = seed
         self.mask_prob = mask_prob
         self.random_prob = random_prob
-        # one candidate n-gram per window of n / (2 mlm_probability) words (3n at 15%): twice the
-        # reference's density (6n), so the quota is met even on short rows; half the candidates are used
-        self.window_per_gram = max(1, int(1 / (2 * mlm_probability)))
+        # one candidate n-gram per window of n · int(1 / mlm_probability) words (6n at 15%), the
+        # reference's `mask_window`: about 1/6 of the words are candidates for a 15% quota
+        self.window_per_gram = max(1, int(1 / mlm_probability))
         special = torch.zeros(vocab_size, dtype=torch.bool)
         special[torch.tensor(sorted(set(special_ids)) + [mask_id], dtype=torch.long)] = True
         self.is_special = special
@@ -157,8 +166,8 @@ class SpanMasker:
         prefix = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)])  # (W+1,)
         gram_tokens = prefix[e] - prefix[s]  # (G,)
         before = torch.cumsum(gram_tokens, 0) - gram_tokens
-        # take n-grams while that brings the count nearer the quota: the reference takes the one that
-        # crosses it too, which overshoots by half an n-gram on average (18-19% on short reviews)
+        # take n-grams while that brings the count nearer the quota: taking the one that crosses it
+        # whole would overshoot by half an n-gram on average (18-19% on short reviews)
         take = (2 * before + gram_tokens) < 2 * quota
         take[0] = True  # at least one n-gram, even when it alone overshoots (short rows)
         chosen = torch.zeros(lengths.numel() + 1, dtype=torch.long)

@@ -27,10 +27,6 @@ MANIFEST = "manifest.json"
 ID_LENGTH = 16
 
 
-class ArtifactError(RuntimeError):
-    """An artifact on disk is missing, incomplete or corrupt; the message names it and the fix."""
-
-
 def canonical_json(obj: Any) -> str:
     """JSON with sorted keys and no whitespace, so equal configs hash equally."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -102,9 +98,12 @@ class ArtifactStore:
             return Artifact(stage, art_id, path)
         return None
 
+    def scratch_path(self, stage: str, art_id: str) -> Path:
+        return Path(self.root).parent / "scratch" / stage / art_id
+
     def scratch(self, stage: str, art_id: str) -> Path:
         """A persistent per-artifact work area (e.g. training checkpoints) that survives failed attempts."""
-        path = Path(self.root).parent / "scratch" / stage / art_id
+        path = self.scratch_path(stage, art_id)
         path.mkdir(parents=True, exist_ok=True)
         return path
 
@@ -127,13 +126,6 @@ class ArtifactStore:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-
-    def remove(self, stage: str, art_id: str) -> None:
-        path = self.path(stage, art_id)
-        if path.exists():
-            trash = path.parent / f".trash-{art_id}-{uuid.uuid4().hex[:8]}"
-            os.rename(path, trash)  # atomic disappearance, then slow delete
-            shutil.rmtree(trash, ignore_errors=True)
 
 
 def _finish(tmp: Path, manifest: dict[str, Any]) -> None:

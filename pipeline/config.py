@@ -1,9 +1,16 @@
-"""Typed, frozen configuration of the whole pipeline.
+"""Typed, frozen configuration of the whole pipeline: plain data, no model code (and no torch).
 
-One dataclass per stage section; `PipelineConfig` composes them with the model config
-(`deberta.config.DebertaConfig`). Presets (pipeline/presets.py) build a `PipelineConfig`;
-the command line changes it only through `apply_overrides` ("section.key=value"), and
-`validate` checks every cross-section invariant before any Ray worker starts.
+One dataclass per section; `PipelineConfig` composes them. Presets (pipeline/presets.py) build a
+`PipelineConfig`; the command line changes it only through `apply_overrides` ("section.key=value").
+
+Validation happens once, before any stage runs: every section checks its own fields (`Section.check`),
+`validate` adds the invariants that span sections, and `check_cluster` the ones that need the live Ray
+cluster (CPUs, GPUs). Builders downstream (DeepSpeed JSON, engines) assume a valid config; a stage checks
+only what needs its input artifacts (tokenizer length, sequence length of the token shards).
+
+What and how: each section's `HOW` names the fields that change how a stage runs (resources, logging,
+fault tolerance, progress) but not what it produces. They stay out of artifact ids (`Section.what`), so
+changing them never throws a finished artifact away.
 """
 
 from __future__ import annotations
@@ -13,17 +20,102 @@ import json
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any
-
-from deberta.config import DebertaConfig
+from typing import Any, ClassVar
 
 
 class ConfigError(ValueError):
     """A configuration a user wrote is wrong; the message names the key and the fix."""
 
 
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _positive(section: str, obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        _check(value >= 1, f"{section}.{name}={value}: must be >= 1")
+
+
 @dataclass(frozen=True)
-class RayConfig:
+class Section:
+    """A config section: its own checks, and which of its fields name *how* a stage runs, not *what* it makes."""
+
+    HOW: ClassVar[frozenset[str]] = frozenset()
+
+    def check(self) -> None:
+        """Raise ConfigError naming the field and the fix; sections without rules accept anything typed right."""
+
+    def what(self) -> dict[str, Any]:
+        """The fields hashed into artifact ids: every field but the `HOW` ones."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.HOW}
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+ZERO_STAGES = (0, 1, 2, 3)
+PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+ATTN_IMPLS = ("sdpa", "math")
+
+
+def check_zero_stage(stage: int, section: str) -> None:
+    _check(stage in ZERO_STAGES, f"{section}.zero_stage={stage}: DeepSpeed ZeRO stages are 0, 1, 2 and 3 "
+                                 f"(2 shards optimizer state + gradients, 3 also parameters)")
+
+
+@dataclass(frozen=True)
+class ModelConfig(Section):
+    """The architecture as plain data; `deberta.config.DebertaConfig` has the same fields and documents each
+    (the model library turns this section into its own config: `DebertaConfig.from_dict(model.to_dict())`)."""
+
+    vocab_size: int
+    """Embedding rows; >= the tokenizer length (vocab.vocab_size + [MASK]), padded up as the reference does."""
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    """Longest sequence (the EMD's absolute position table has this many rows)."""
+    position_buckets: int = 0
+    """Log buckets of relative positions (256 for 1.5B); 0 = none."""
+    max_relative_positions: int = -1
+    """Relative distance range k; -1 = max_position_embeddings."""
+    share_att_key: bool = False
+    """Position projections shared with content (1.5B) or separate (base/large)."""
+    conv_kernel_size: int = 0
+    """Convolution beside the first layer (3 for 1.5B); 0 = none."""
+    norm_rel_ebd: bool = True
+    layer_norm_eps: float = 1e-7
+    pad_token_id: int = 0
+    initializer_range: float = 0.02
+    attn_impl: str = "sdpa"
+    """Kernel of the attention: "sdpa" (fused, additive bias) or "math" (the same equation written out)."""
+
+    HOW: ClassVar[frozenset[str]] = frozenset({"attn_impl"})
+
+    def check(self) -> None:
+        _positive("model", self, "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                  "max_position_embeddings")
+        _check(self.hidden_size % self.num_attention_heads == 0,
+               f"model.hidden_size={self.hidden_size} is not a multiple of model.num_attention_heads="
+               f"{self.num_attention_heads}; pick heads so that hidden/heads is an integer")
+        _check(self.position_buckets >= 0 and self.position_buckets % 2 == 0,
+               f"model.position_buckets={self.position_buckets}: must be 0 (no buckets) or a positive even number")
+        _check(self.vocab_size > self.pad_token_id,
+               f"model.vocab_size={self.vocab_size} must exceed model.pad_token_id={self.pad_token_id}")
+        _check(self.attn_impl in ATTN_IMPLS, f"model.attn_impl={self.attn_impl!r}: use one of {', '.join(ATTN_IMPLS)}")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            _check(0.0 <= getattr(self, name) < 1.0, f"model.{name}={getattr(self, name)}: must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class RayConfig(Section):
+    """How Ray is started or joined: never part of an artifact id."""
+
     num_cpus: int | None = None
     """CPUs for a local Ray started by the pipeline (None: all of this machine's). Ignored when joining a cluster."""
     object_store_gb: float = 2.0
@@ -33,9 +125,15 @@ class RayConfig:
     storage_path: str | None = None
     """Ray Train/Tune storage every node can reach (path or pyarrow.fs URI); None: <workdir>/ray_results."""
 
+    HOW: ClassVar[frozenset[str]] = frozenset({"num_cpus", "object_store_gb", "dashboard", "storage_path"})
+
+    def check(self) -> None:
+        _check(self.num_cpus is None or self.num_cpus >= 1, f"ray.num_cpus={self.num_cpus}: must be >= 1 (or none)")
+        _check(self.object_store_gb > 0, f"ray.object_store_gb={self.object_store_gb}: must be > 0")
+
 
 @dataclass(frozen=True)
-class CorpusConfig:
+class CorpusConfig(Section):
     txt_mode: str = "document"
     """How `.txt` files become documents: "document" (one per file) or "line" (one per non-empty line)."""
     jsonl_field: str = "text"
@@ -61,9 +159,18 @@ class CorpusConfig:
     batch_size: int = 512
     """Documents per Ray Data batch in the corpus stage (bounds each worker's memory)."""
 
+    def check(self) -> None:
+        _check(self.txt_mode in ("document", "line"), f"corpus.txt_mode={self.txt_mode!r}: use document or line")
+        _check(self.shingle in ("char", "word"), f"corpus.shingle={self.shingle!r}: use char or word")
+        _check(0.0 < self.threshold <= 1.0, f"corpus.threshold={self.threshold}: must be in (0, 1]")
+        _check(0.0 < self.validation_fraction < 1.0,
+               f"corpus.validation_fraction={self.validation_fraction}: must be in (0, 1)")
+        _check(self.num_perm >= 16, f"corpus.num_perm={self.num_perm}: use at least 16 permutations")
+        _positive("corpus", self, "shingle_size", "rows_per_shard", "max_doc_bytes", "batch_size")
+
 
 @dataclass(frozen=True)
-class VocabConfig:
+class VocabConfig(Section):
     vocab_size: int = 8_000
     """SentencePiece pieces, [PAD] [CLS] [SEP] [UNK] included; [MASK] is appended after them (1.5B: 128,000)."""
     model_type: str = "unigram"
@@ -80,9 +187,17 @@ class VocabConfig:
     """SentencePiece trainer threads; 0: every CPU available. Its EM sums per-thread partial counts, so bit-identical
     models across machines need the same fixed number here."""
 
+    def check(self) -> None:
+        _check(self.model_type in ("unigram", "bpe"), f"vocab.model_type={self.model_type!r}: use unigram or bpe")
+        _check(self.vocab_size >= 64, f"vocab.vocab_size={self.vocab_size}: use at least 64 pieces")
+        _check(0.0 < self.character_coverage <= 1.0,
+               f"vocab.character_coverage={self.character_coverage}: must be in (0, 1]")
+        _check(self.num_threads >= 0, f"vocab.num_threads={self.num_threads}: must be >= 0 (0: all CPUs)")
+        _positive("vocab", self, "sample_documents", "max_sentence_length")
+
 
 @dataclass(frozen=True)
-class TokenizeConfig:
+class TokenizeConfig(Section):
     max_seq_len: int = 512
     """Tokens per packed sequence, [CLS] and [SEP] included."""
     batch_size: int = 256
@@ -92,9 +207,18 @@ class TokenizeConfig:
     num_workers: int | None = None
     """Tokenizer actors (each loads the SentencePiece model once, one CPU each); None: one per CPU of the cluster."""
 
+    HOW: ClassVar[frozenset[str]] = frozenset({"num_workers"})
+
+    def check(self) -> None:
+        _check(self.max_seq_len >= 3, f"tokenize.max_seq_len={self.max_seq_len}: needs room for [CLS], a token "
+                                      f"and [SEP] (>= 3)")
+        _check(self.num_workers is None or self.num_workers >= 1,
+               f"tokenize.num_workers={self.num_workers}: use at least 1 (or none for one per CPU)")
+        _positive("tokenize", self, "batch_size", "rows_per_shard")
+
 
 @dataclass(frozen=True)
-class PretrainConfig:
+class PretrainConfig(Section):
     num_workers: int = 2
     """Ray Train workers (one per GPU on GPU clusters)."""
     use_gpu: bool = False
@@ -140,9 +264,25 @@ class PretrainConfig:
     seed: int = 0
     """Seeds model init, span masks (with step, micro-batch and rank) and the shuffle (with epoch and rank)."""
 
+    HOW: ClassVar[frozenset[str]] = frozenset({"log_interval", "eval_interval", "eval_batches", "ckpt_interval",
+                                               "max_failures", "cpus_per_worker", "placement_strategy"})
+
+    def check(self) -> None:
+        check_zero_stage(self.zero_stage, "pretrain")
+        _positive("pretrain", self, "num_workers", "micro_batch_size", "max_steps", "log_interval", "eval_interval",
+                  "eval_batches", "ckpt_interval", "cpus_per_worker", "max_ngram")
+        pretrain_accumulation(self, self.num_workers)
+        _check(self.warmup_steps >= 0, f"pretrain.warmup_steps={self.warmup_steps}: must be >= 0")
+        _check(self.lr > 0, f"pretrain.lr={self.lr}: must be > 0")
+        _check(0.0 < self.mlm_probability < 1.0, f"pretrain.mlm_probability={self.mlm_probability}: must be in (0, 1)")
+        _check(self.max_failures >= 0 and self.shuffle_buffer >= 0,
+               f"pretrain.max_failures={self.max_failures} and shuffle_buffer={self.shuffle_buffer}: must be >= 0")
+        _check(self.placement_strategy in PLACEMENTS,
+               f"pretrain.placement_strategy={self.placement_strategy!r}: use one of {', '.join(PLACEMENTS)}")
+
 
 @dataclass(frozen=True)
-class FinetuneConfig:
+class FinetuneConfig(Section):
     task: str = "rotten-tomatoes"
     """Built-in task name or a directory of GLUE-format train/dev files (see README)."""
     dropout: tuple[float, ...] = (0.0, 0.1, 0.15)
@@ -187,12 +327,30 @@ class FinetuneConfig:
     use_gpu: bool = False
     """Fine-tune on GPUs (one per trial, or per worker with trainer=deepspeed)."""
 
+    HOW: ClassVar[frozenset[str]] = frozenset({"task", "max_concurrent_trials", "cpus_per_trial"})
+    """`task` names where the examples come from; the task's own id (a digest of its examples) is the input."""
+
+    def check(self) -> None:
+        _check(self.scheduler in ("grid", "asha"), f"finetune.scheduler={self.scheduler!r}: use grid or asha")
+        for name in ("dropout", "warmup_steps", "lr", "batch_size", "seeds"):
+            _check(len(getattr(self, name)) > 0, f"finetune.{name} is empty: give at least one value")
+        _check(all(0.0 <= d < 1.0 for d in self.dropout), f"finetune.dropout={self.dropout}: each must be in [0, 1)")
+        _check(all(lr > 0 for lr in self.lr), f"finetune.lr={self.lr}: each must be > 0")
+        _check(all(b >= 1 for b in self.batch_size) and all(w >= 0 for w in self.warmup_steps),
+               f"finetune.batch_size={self.batch_size} must be >= 1 and warmup_steps={self.warmup_steps} >= 0")
+        _positive("finetune", self, "epochs", "max_concurrent_trials")
+        _check(self.max_seq_len >= 3, f"finetune.max_seq_len={self.max_seq_len}: needs room for [CLS], a token "
+                                      f"and [SEP] (>= 3)")
+        _check(self.max_train_examples is None or self.max_train_examples >= 1,
+               f"finetune.max_train_examples={self.max_train_examples}: must be >= 1 (or none for all)")
+        check_finetune_trainer(self)
+
 
 @dataclass(frozen=True)
 class PipelineConfig:
     preset: str
     """Name of the preset this configuration started from."""
-    model: DebertaConfig
+    model: ModelConfig
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
     vocab: VocabConfig = field(default_factory=VocabConfig)
     tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
@@ -249,7 +407,7 @@ def apply_overrides(cfg: PipelineConfig, overrides: list[str]) -> PipelineConfig
             raise ConfigError(f"--set {key}: unknown section {section_name!r}; sections are {', '.join(SECTIONS)}")
         section = getattr(cfg, section_name)
         hints = typing.get_type_hints(type(section))
-        if field_name not in hints:
+        if field_name not in hints or typing.get_origin(hints[field_name]) is ClassVar:
             known = ", ".join(f.name for f in dataclasses.fields(section))
             raise ConfigError(f"--set {key}: unknown key {field_name!r} in [{section_name}]; keys are {known}")
         new_value = _coerce(value.strip(), hints[field_name], key)
@@ -257,24 +415,8 @@ def apply_overrides(cfg: PipelineConfig, overrides: list[str]) -> PipelineConfig
     return cfg
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-ZERO_STAGES = (0, 1, 2, 3)
-
-
-def check_zero_stage(stage: int, section: str) -> None:
-    """One message for a bad ZeRO stage, from `validate` and from the DeepSpeed config builder alike."""
-    _check(stage in ZERO_STAGES, f"{section}.zero_stage={stage}: DeepSpeed ZeRO stages are 0, 1, 2 and 3 "
-                                 f"(2 shards optimizer state + gradients, 3 also parameters)")
-
-
 def pretrain_accumulation(p: PretrainConfig, world_size: int) -> int:
     """Micro-batches per optimizer step on each worker; ConfigError unless train_batch_size splits exactly."""
-    _check(world_size >= 1 and p.micro_batch_size >= 1,
-           f"pretrain: world size {world_size} and micro_batch_size={p.micro_batch_size} must be >= 1")
     per_pass = p.micro_batch_size * world_size
     _check(p.train_batch_size % per_pass == 0 and p.train_batch_size >= per_pass,
            f"pretrain.train_batch_size={p.train_batch_size} must equal micro_batch_size x accumulation x workers "
@@ -283,20 +425,16 @@ def pretrain_accumulation(p: PretrainConfig, world_size: int) -> int:
     return p.train_batch_size // per_pass
 
 
-def pretrain_gpu_shortfall(p: PretrainConfig, num_gpus: int | None) -> str | None:
-    """The message when pretraining asks for more GPUs than the cluster has (None: fine or unknown)."""
-    if num_gpus is None or not p.use_gpu or num_gpus >= p.num_workers:
-        return None
-    return (f"pretrain.use_gpu=true asks for {p.num_workers} GPUs but the Ray cluster has {num_gpus}; "
-            f"add GPU nodes or set pretrain.use_gpu=false")
+def trial_workers(f: FinetuneConfig) -> int:
+    """Processes one fine-tuning trial runs on: its DeepSpeed workers, or the one torch process."""
+    return f.workers_per_trial if f.trainer == "deepspeed" else 1
 
 
-def check_finetune_trainer(f: FinetuneConfig, num_gpus: int | None = None) -> None:
-    """The trial layout: trainer, workers, ZeRO stage, batch sizes that split over the workers, GPUs."""
+def check_finetune_trainer(f: FinetuneConfig) -> None:
+    """The trial layout: trainer, workers, ZeRO stage, batch sizes that split over the workers."""
     _check(f.trainer in ("torch", "deepspeed"), f"finetune.trainer={f.trainer!r}: use torch or deepspeed")
     _check(f.workers_per_trial >= 1 and f.cpus_per_trial >= 1,
            f"finetune.workers_per_trial={f.workers_per_trial} and cpus_per_trial={f.cpus_per_trial} must be >= 1")
-    workers = f.workers_per_trial if f.trainer == "deepspeed" else 1
     _check(f.trainer == "deepspeed" or f.workers_per_trial == 1,
            f"finetune.workers_per_trial={f.workers_per_trial} needs finetune.trainer=deepspeed (a torch trial is one process)")
     check_zero_stage(f.zero_stage, "finetune")
@@ -306,41 +444,46 @@ def check_finetune_trainer(f: FinetuneConfig, num_gpus: int | None = None) -> No
            "finetune.scheduler=asha cannot stop DeepSpeed trials: Ray keeps the workers of a Train run that Tune "
            "stops reserved (ray-project/ray#54305), so the sweep would stall; use finetune.scheduler=grid, "
            "or finetune.trainer=torch")
+    workers = trial_workers(f)
     uneven = [b for b in f.batch_size if b % workers]
     _check(not uneven, f"finetune.batch_size {uneven} cannot be split evenly over workers_per_trial={workers}; "
                        f"use batch sizes that are multiples of {workers} or fewer workers")
-    if num_gpus is not None and f.use_gpu:
-        _check(num_gpus >= workers, f"finetune.use_gpu=true needs {workers} GPU(s) per trial but the Ray cluster has "
-                                    f"{num_gpus}; add GPU nodes, lower finetune.workers_per_trial, or set finetune.use_gpu=false")
 
 
-def validate(cfg: PipelineConfig, num_gpus_available: int | None = None) -> None:
-    """Cross-section invariants, checked on the driver before any worker starts."""
-    c, v, t, p, f, m = cfg.corpus, cfg.vocab, cfg.tokenize, cfg.pretrain, cfg.finetune, cfg.model
-    _check(c.txt_mode in ("document", "line"), f"corpus.txt_mode={c.txt_mode!r}: use document or line")
-    _check(c.shingle in ("char", "word"), f"corpus.shingle={c.shingle!r}: use char or word")
-    _check(0.0 < c.threshold <= 1.0, f"corpus.threshold={c.threshold}: must be in (0, 1]")
-    _check(0.0 < c.validation_fraction < 1.0, f"corpus.validation_fraction={c.validation_fraction}: must be in (0, 1)")
-    _check(c.num_perm >= 16, f"corpus.num_perm={c.num_perm}: use at least 16 permutations")
-    _check(v.model_type in ("unigram", "bpe"), f"vocab.model_type={v.model_type!r}: use unigram or bpe")
-    _check(v.vocab_size >= 64, f"vocab.vocab_size={v.vocab_size}: use at least 64 pieces")
+def validate(cfg: PipelineConfig) -> None:
+    """Every section's own checks, then the invariants across sections; run before any stage."""
+    for name in SECTIONS:
+        getattr(cfg, name).check()
+    v, t, f, m = cfg.vocab, cfg.tokenize, cfg.finetune, cfg.model
     tokenizer_len = v.vocab_size + 1  # [MASK] is appended after the SentencePiece pieces
-    _check(
-        m.vocab_size >= tokenizer_len,
-        f"model.vocab_size={m.vocab_size} embedding rows < tokenizer length {tokenizer_len} "
-        f"(vocab.vocab_size + [MASK]); set model.vocab_size >= {tokenizer_len} (the reference pads 128,001 to 128,100)",
-    )
-    _check(
-        2 <= t.max_seq_len <= m.max_position_embeddings,
-        f"tokenize.max_seq_len={t.max_seq_len}: must be in [2, model.max_position_embeddings={m.max_position_embeddings}]",
-    )
-    check_zero_stage(p.zero_stage, "pretrain")
-    pretrain_accumulation(p, p.num_workers)
-    _check(p.max_steps > 0 and p.warmup_steps >= 0, "pretrain.max_steps must be > 0 and warmup_steps >= 0")
-    shortfall = pretrain_gpu_shortfall(p, num_gpus_available)
-    _check(shortfall is None, shortfall or "")
-    _check(f.scheduler in ("grid", "asha"), f"finetune.scheduler={f.scheduler!r}: use grid or asha")
-    for name in ("dropout", "warmup_steps", "lr", "batch_size", "seeds"):
-        _check(len(getattr(f, name)) > 0, f"finetune.{name} is empty: give at least one value")
-    check_finetune_trainer(f, num_gpus_available)
-    _check(f.epochs >= 1, f"finetune.epochs={f.epochs}: must be >= 1")
+    _check(m.vocab_size >= tokenizer_len,
+           f"model.vocab_size={m.vocab_size} embedding rows < tokenizer length {tokenizer_len} "
+           f"(vocab.vocab_size + [MASK]); set model.vocab_size >= {tokenizer_len} (the reference pads 128,001 to 128,100)")
+    for key, length in (("tokenize.max_seq_len", t.max_seq_len), ("finetune.max_seq_len", f.max_seq_len)):
+        _check(length <= m.max_position_embeddings,
+               f"{key}={length} exceeds model.max_position_embeddings={m.max_position_embeddings}; "
+               f"lower {key} or raise model.max_position_embeddings")
+
+
+def check_cluster(cfg: PipelineConfig, stages: list[str], cpus: int, gpus: int) -> None:
+    """What only the live cluster can tell: enough CPUs and GPUs for the stages about to run."""
+    p, f = cfg.pretrain, cfg.finetune
+    if "pretrain" in stages:
+        _check(not p.use_gpu or gpus >= p.num_workers,
+               f"pretrain.use_gpu=true asks for {p.num_workers} GPUs but the Ray cluster has {gpus}; "
+               f"add GPU nodes or set pretrain.use_gpu=false")
+        held = p.num_workers * p.cpus_per_worker
+        # Training workers hold their CPUs for the whole run; the Ray Data tasks that stream
+        # their shards need a CPU of their own, or the run waits forever.
+        _check(p.use_gpu or cpus > held,
+               f"pretrain needs more than {held} Ray CPUs (num_workers x cpus_per_worker) so Ray Data can feed "
+               f"the workers, but the cluster has {cpus}; set ray.num_cpus={held + 2} for a local Ray, "
+               f"or lower pretrain.num_workers")
+    if "finetune" in stages:
+        workers = trial_workers(f)
+        _check(cpus >= f.cpus_per_trial * workers,
+               f"one finetune trial needs {f.cpus_per_trial * workers} Ray CPUs (cpus_per_trial x workers) but the "
+               f"cluster has {cpus}; lower finetune.cpus_per_trial or finetune.workers_per_trial, or add nodes")
+        _check(not f.use_gpu or gpus >= workers,
+               f"finetune.use_gpu=true needs {workers} GPU(s) per trial but the Ray cluster has {gpus}; add GPU "
+               f"nodes, lower finetune.workers_per_trial, or set finetune.use_gpu=false")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 import traceback
@@ -10,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.artifacts import Artifact, ArtifactStore
-from pipeline.config import ConfigError, PipelineConfig, validate
+from pipeline.config import PipelineConfig, check_cluster
 from pipeline.lineage import TAG_STATUS, Lineage, Tracker
-from pipeline.plan import PlannedStage, load
+from pipeline.plan import PlannedStage
 
 
 @dataclass
@@ -49,27 +50,35 @@ def _lineage_inputs(refs: dict[str, Any]) -> dict[str, tuple[str, str, str]]:
 
 
 def _connect_ray(cfg: PipelineConfig, stages: list[str]) -> None:
-    """Connect, then check the config against the real cluster. Raises ConfigError, which the entry point prints
-    as one line (not run.UserError: under `python -m pipeline.run` that class lives in `__main__`)."""
+    """Connect, then check the config against the live cluster (the one place CPUs and GPUs are checked).
+    Raises ConfigError, which the entry point prints as one line."""
     from cluster.ray_init import cluster_cpus, cluster_gpus, connect
 
     print(connect(cfg.ray), flush=True)
-    validate(cfg, num_gpus_available=cluster_gpus())  # GPU asks are checked against the real cluster
-    p = cfg.pretrain
-    held = p.num_workers * p.cpus_per_worker
-    if "pretrain" in stages and not p.use_gpu and cluster_cpus() <= held:
-        # Training workers hold their CPUs for the whole run; the Ray Data tasks that stream
-        # their shards need a CPU of their own, or the run waits forever.
-        raise ConfigError(
-            f"pretrain needs more than {held} Ray CPUs (num_workers x cpus_per_worker) so Ray Data can feed "
-            f"the workers, but the cluster has {cluster_cpus()}; set ray.num_cpus={held + 2} for a local Ray, "
-            f"or lower pretrain.num_workers")
-    f = cfg.finetune
-    trial = f.cpus_per_trial * (f.workers_per_trial if f.trainer == "deepspeed" else 1)
-    if "finetune" in stages and cluster_cpus() < trial:
-        raise ConfigError(
-            f"one finetune trial needs {trial} Ray CPUs (cpus_per_trial x workers) but the cluster has "
-            f"{cluster_cpus()}; lower finetune.cpus_per_trial or finetune.workers_per_trial, or add nodes")
+    check_cluster(cfg, stages, cpus=cluster_cpus(), gpus=cluster_gpus())
+
+
+def storage_path(cfg: PipelineConfig, workdir: Path) -> str:
+    return cfg.ray.storage_path or str(workdir / "ray_results")
+
+
+def discard_resumable_state(st: PlannedStage, store: ArtifactStore, storage: str) -> list[str]:
+    """`--force STAGE`: drop what a re-run would otherwise resume from - the stage's scratch directory and its
+    Ray Train / Tune runs (named `<stage>-<artifact id>...` under the Ray storage path). Returns what went."""
+    import pyarrow.fs as pafs
+
+    gone = []
+    scratch = store.scratch_path(st.spec.name, st.artifact_id)
+    if scratch.exists():
+        shutil.rmtree(scratch)
+        gone.append(str(scratch))
+    fs, root = pafs.FileSystem.from_uri(storage) if "://" in storage else (pafs.LocalFileSystem(), storage)
+    prefix = f"{st.spec.name}-{st.artifact_id}"
+    for info in fs.get_file_info(pafs.FileSelector(root, allow_not_found=True)):
+        if info.type == pafs.FileType.Directory and info.base_name.startswith(prefix):
+            fs.delete_dir(info.path)
+            gone.append(info.path)
+    return gone
 
 
 def execute(cfg: PipelineConfig, plan: list[PlannedStage], objects: dict[str, Any],
@@ -79,6 +88,11 @@ def execute(cfg: PipelineConfig, plan: list[PlannedStage], objects: dict[str, An
     outcome = Outcome(tracking_uri=lineage.tracking_uri, parent_run_id=parent.run_id)
     if any(not s.cached for s in plan):
         _connect_ray(cfg, [s.spec.name for s in plan if not s.cached])
+    for st in plan:
+        if st.forced:
+            gone = discard_resumable_state(st, store, storage_path(cfg, workdir))
+            print(f"[{st.spec.name}] --force: recomputing from scratch; discarded resumable state "
+                  f"{', '.join(gone) if gone else '(none)'}", flush=True)
     ids = {name: obj.id for name, obj in objects.items() if hasattr(obj, "id")}
     for st in plan:
         refs = _input_refs(st, store, objects)
@@ -100,20 +114,19 @@ def _run_stage(cfg: PipelineConfig, st: PlannedStage, refs: dict[str, Any], stor
                workdir: Path, tracker: Tracker, lineage_ids: dict[str, str], outcome: Outcome) -> bool:
     from stages.base import StageContext, StageInputError
 
-    module = load(st.spec)
     sections = [getattr(cfg, s) for s in st.spec.sections]
     ctx = StageContext(
-        artifact_id=st.artifact_id, workdir=workdir, scratch=store.scratch(st.spec.name, st.artifact_id),
-        storage_path=cfg.ray.storage_path or str(workdir / "ray_results"), tracker=tracker,
-        lineage=lineage_ids, preset=cfg.preset)
-    manifest = {"stage": st.spec.name, "id": st.artifact_id, "version": getattr(module, "VERSION", "1"),
+        stage=st.spec.name, artifact_id=st.artifact_id, workdir=workdir,
+        scratch=store.scratch(st.spec.name, st.artifact_id), storage_path=storage_path(cfg, workdir),
+        tracker=tracker, lineage=lineage_ids, preset=cfg.preset)
+    manifest = {"stage": st.spec.name, "id": st.artifact_id, "version": st.spec.version,
                 "config": st.config, "inputs": st.input_ids}
     print(f"[{st.spec.name}] running -> {store.path(st.spec.name, st.artifact_id)}", flush=True)
     started = time.time()
     try:
         with store.building(st.spec.name, st.artifact_id, manifest) as out:
-            result = module.run(sections[0], **dict(zip(st.spec.sections[1:], sections[1:])),
-                                inputs=refs, out=out, ctx=ctx)
+            result = st.spec.run(sections[0], **dict(zip(st.spec.sections[1:], sections[1:])),
+                                 inputs=refs, out=out, ctx=ctx)
             manifest["counts"] = dict(result.counts)
             for rel in result.log_files:
                 tracker.log_artifact(out / rel)

@@ -1,54 +1,58 @@
-"""The stage graph and the plan of one invocation.
+"""The stage table and the plan of one invocation.
 
-Every stage's artifact id is computable before anything runs (it hashes the stage's config
-and its inputs' ids), so the plan knows up front which stages are cached and which will run.
+Every stage's artifact id is computable before anything runs (it hashes the stage's *what* config
+fields and its inputs' ids), so the plan knows up front which stages are cached and which will run.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
-import importlib.util
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from pipeline.artifacts import ArtifactStore, artifact_id, canonical_json
 from pipeline.config import PipelineConfig
+from stages import corpus, finetune, pretrain, tokenize, vocab
 
 
 @dataclass(frozen=True)
 class StageSpec:
     name: str
-    module: str
+    run: Callable[..., Any]
+    """`run(first_section, *, other_sections..., inputs, out, ctx) -> StageResult` (stages/base.py)."""
+    version: str
+    """Bumped when the stage's code changes what it writes: part of the artifact id."""
     sections: tuple[str, ...]
-    """Config sections handed to the stage's `run` (the first positionally, the rest by name)."""
+    """Config sections handed to `run` (the first positionally, the rest by name)."""
     inputs: tuple[str, ...]
-    """Upstream stages whose artifacts the stage reads."""
+    """Upstream stages whose artifacts the stage reads, or external inputs ("raw", "task")."""
     help: str
+    dry_run: Callable[..., str] | None = None
+    """Optional `dry_run(*sections) -> str` for `--dry-run`: the plan on paper."""
 
 
 STAGES: tuple[StageSpec, ...] = (
-    StageSpec("corpus", "stages.corpus", ("corpus",), ("raw",),
+    StageSpec("corpus", corpus.run, corpus.VERSION, ("corpus",), ("raw",),
               "exact + MinHash-LSH dedup, Parquet shards, 5% validation split (Ray Data)"),
-    StageSpec("vocab", "stages.vocab", ("vocab",), ("corpus",),
+    StageSpec("vocab", vocab.run, vocab.VERSION, ("vocab",), ("corpus",),
               "SentencePiece vocabulary with fixed special-token ids"),
-    StageSpec("tokenize", "stages.tokenize", ("tokenize",), ("corpus", "vocab"),
+    StageSpec("tokenize", tokenize.run, tokenize.VERSION, ("tokenize",), ("corpus", "vocab"),
               "packed uint32 token sequences in Parquet shards (Ray Data)"),
-    StageSpec("pretrain", "stages.pretrain", ("pretrain", "model"), ("tokenize", "vocab", "corpus"),
-              "DeBERTa MLM + EMD pretraining, Ray Train + DeepSpeed ZeRO, MLflow registry"),
-    StageSpec("finetune", "stages.finetune", ("finetune", "model"), ("pretrain", "vocab", "task"),
-              "Ray Tune sweep over the Table 9 grid (+SiFT), champion in the MLflow registry"),
+    StageSpec("pretrain", pretrain.run, pretrain.VERSION, ("pretrain", "model"), ("tokenize", "vocab", "corpus"),
+              "DeBERTa MLM + EMD pretraining, Ray Train + DeepSpeed ZeRO, MLflow registry", pretrain.dry_run),
+    StageSpec("finetune", finetune.run, finetune.VERSION, ("finetune", "model"), ("pretrain", "vocab", "task"),
+              "Ray Tune sweep over the Table 9 grid (+SiFT), champion in the MLflow registry", finetune.dry_run),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
+EXTERNAL_INPUTS = ("raw", "task")
 
 
-def available(spec: StageSpec) -> bool:
-    """A stage is in the plan only once its module exists: nothing pretends to run."""
-    return importlib.util.find_spec(spec.module) is not None
-
-
-def load(spec: StageSpec) -> Any:
-    return importlib.import_module(spec.module)
+def stages_until(last: str | None) -> tuple[StageSpec, ...]:
+    """The stages up to and including `last` (all of them for None); ValueError for an unknown name."""
+    if last is None:
+        return STAGES
+    if last not in STAGE_NAMES:
+        raise ValueError(f"unknown stage {last!r}; stages are {', '.join(STAGE_NAMES)}")
+    return STAGES[: STAGE_NAMES.index(last) + 1]
 
 
 @dataclass(frozen=True)
@@ -56,44 +60,33 @@ class PlannedStage:
     spec: StageSpec
     artifact_id: str
     config: dict[str, Any]
-    """The stage's resolved config sections, {section: dict}."""
+    """The stage's resolved config sections, {section: dict} (every field, as logged)."""
     input_ids: dict[str, str]
     cached: bool
     run: bool
     """False for stages outside --only/--until that are only needed as (cached) inputs."""
-
-
-def stage_config(cfg: PipelineConfig, spec: StageSpec) -> dict[str, Any]:
-    return {s: dataclasses.asdict(getattr(cfg, s)) for s in spec.sections}
+    forced: bool = False
+    """--force: recompute, discarding the stage's resumable state."""
 
 
 def make_plan(cfg: PipelineConfig, store: ArtifactStore, external_ids: dict[str, str],
-              only: str | None = None, until: str | None = None, force: tuple[str, ...] = (),
-              stages: tuple[StageSpec, ...] = STAGES) -> list[PlannedStage]:
-    """Resolve artifact ids of the available stages up to `until` (or just `only`).
+              only: str | None = None, until: str | None = None, force: tuple[str, ...] = ()) -> list[PlannedStage]:
+    """Resolve artifact ids of the stages up to `until` (or just `only`).
 
     `external_ids` holds ids of inputs that are not stages (the raw corpus fingerprint, the task).
     """
-    specs = [s for s in stages if available(s)]
-    names = [s.name for s in specs]
-    last = only or until
-    if last is not None:
-        if last not in STAGE_NAMES:
-            raise ValueError(f"unknown stage {last!r}; stages are {', '.join(STAGE_NAMES)}")
-        if last not in names:
-            raise ValueError(f"stage {last!r} is not built yet; available stages are {', '.join(names)}")
-        specs = specs[: names.index(last) + 1]
+    unknown = sorted(set(force) - set(STAGE_NAMES))
+    if unknown:
+        raise ValueError(f"--force {unknown[0]}: unknown stage; stages are {', '.join(STAGE_NAMES)}")
     ids = dict(external_ids)
     plan = []
-    for spec in specs:
-        config = stage_config(cfg, spec)
-        input_ids = {}
-        for name in spec.inputs:
-            if name not in ids:
-                raise ValueError(f"stage {spec.name!r} needs {name!r}, which is not available")
-            input_ids[name] = ids[name]
-        art_id = artifact_id(spec.name, getattr(load(spec), "VERSION", "1"), canonical_json(config), input_ids)
+    for spec in stages_until(only or until):
+        what = {s: getattr(cfg, s).what() for s in spec.sections}
+        input_ids = {name: ids[name] for name in spec.inputs}
+        art_id = artifact_id(spec.name, spec.version, canonical_json(what), input_ids)
         ids[spec.name] = art_id
-        cached = store.find(spec.name, art_id) is not None and spec.name not in force
-        plan.append(PlannedStage(spec, art_id, config, input_ids, cached, run=only is None or spec.name == only))
+        forced = spec.name in force
+        cached = store.find(spec.name, art_id) is not None and not forced
+        plan.append(PlannedStage(spec, art_id, {s: getattr(cfg, s).to_dict() for s in spec.sections}, input_ids,
+                                 cached, run=only is None or spec.name == only, forced=forced))
     return plan

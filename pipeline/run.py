@@ -12,10 +12,10 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.artifacts import ArtifactStore, artifact_id
+from pipeline.artifacts import ArtifactStore, artifact_id, file_digest
 from pipeline.config import ConfigError, PipelineConfig, apply_overrides, validate
 from pipeline.datasets import materialize_corpus
-from pipeline.plan import STAGES, PlannedStage, available, load, make_plan
+from pipeline.plan import STAGES, PlannedStage, make_plan, stages_until
 from pipeline.presets import PRESETS
 
 
@@ -78,30 +78,40 @@ def check_workdir(workdir: Path) -> Path:
     return workdir
 
 
+RAW_ID_VERSION = "2"  # 2: files by (path, size, mtime); the built-in corpus by content
+
+
 def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path) -> tuple[dict, dict]:
-    """Inputs that are not stage artifacts: the raw corpus and the fine-tuning task, with stable ids.
+    """Inputs that are not stage artifacts - the raw corpus and the fine-tuning task - resolved exactly once,
+    on the driver before Ray starts (a missing path fails in a second), with ids the stages' ids build on.
 
-    Resolved on the driver before Ray starts, so a missing path fails in a second, not after a cluster spin-up.
+    A corpus file is identified by path, size and modification time, so an in-place edit re-runs the corpus
+    stage; the built-in corpus by its content, so its id does not depend on where the workdir lives.
     """
+    from stages import corpus
     from stages.base import StageInputError
+    from stages.finetune.tasks import resolve_task
 
-    names = [s.name for s in STAGES]
-    last = args.only or args.until
-    planned = STAGES[: names.index(last) + 1] if last in names else STAGES  # an unknown name fails in make_plan
-    specs = {s.name: s for s in planned if available(s)}  # e.g. --until tokenize never reads the task files
+    try:
+        planned = {s.name for s in stages_until(args.only or args.until)}
+    except ValueError as e:
+        raise UserError(str(e)) from None
     objects, ids = {}, {}
     try:
-        if "corpus" in specs:
-            corpus_mod = load(specs["corpus"])
+        if "corpus" in planned:
             if args.corpus:
                 patterns = tuple(args.corpus)
+                sources = corpus.list_sources(patterns)
+                fingerprint = [list(s) for s in sources]
             else:
-                patterns = (str(materialize_corpus("news", workdir / "data" / "news")),)
-            sources = corpus_mod.list_sources(patterns)
-            objects["raw"] = corpus_mod.RawCorpus(patterns=patterns)
-            ids["raw"] = artifact_id("raw", "1", [(p, size) for p, size, _ in sources], {})
-        if "finetune" in specs:
-            task = load(specs["finetune"]).resolve_task(cfg.finetune.task, workdir)
+                builtin = materialize_corpus("news", workdir / "data" / "news")
+                patterns = (str(builtin),)
+                sources = corpus.list_sources(patterns)
+                fingerprint = [["builtin:news", file_digest(builtin)]]
+            objects["raw"] = corpus.RawCorpus(patterns=patterns, sources=tuple(sources))
+            ids["raw"] = artifact_id("raw", RAW_ID_VERSION, fingerprint, {})
+        if "finetune" in planned:
+            task = resolve_task(cfg.finetune.task, workdir)
             objects["task"], ids["task"] = task, task.id
     except StageInputError as e:
         raise UserError(str(e)) from None
@@ -111,7 +121,8 @@ def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path
 def print_plan(plan: list[PlannedStage]) -> None:
     print("plan:")
     for st in plan:
-        state = "cached (skip)" if st.cached else ("run" if st.run else "needed input, not built: error")
+        state = ("cached (skip)" if st.cached else "run" if st.run else "needed input, not built: error")
+        state += " (--force: recomputed from scratch)" if st.forced else ""
         print(f"  {st.spec.name:<9} {st.artifact_id}  {state}")
 
 
@@ -136,18 +147,14 @@ def _main(args: argparse.Namespace) -> int:
         plan = make_plan(cfg, store, ext_ids, only=args.only, until=args.until, force=tuple(args.force))
     except ValueError as e:
         raise UserError(str(e)) from None
-    unknown = set(args.force) - {s.name for s in STAGES}
-    if unknown:
-        raise UserError(f"--force {sorted(unknown)[0]}: unknown stage; stages are {', '.join(s.name for s in STAGES)}")
     missing = [s.spec.name for s in plan if not s.run and not s.cached]
     if missing:
         raise UserError(f"--only {args.only} needs {', '.join(missing)} built first; run with --until {args.only}")
     print_plan(plan)
     if args.dry_run:
         for st in plan:
-            hook = getattr(load(st.spec), "dry_run", None)
-            if hook is not None:
-                print(hook(*[getattr(cfg, s) for s in st.spec.sections]))
+            if st.spec.dry_run is not None:
+                print(st.spec.dry_run(*[getattr(cfg, s) for s in st.spec.sections]))
         return 0
     started = time.time()
     outcome = execute(cfg, plan, objects, store, workdir)

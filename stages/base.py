@@ -1,13 +1,14 @@
 """The contract every stage follows.
 
-A stage is a module in `stages/` exposing:
+A stage is a module (or package) in `stages/` exposing:
 
-    NAME: str                 # "corpus", "vocab", ...
     VERSION: str              # bump when the code changes what the stage writes
     def run(cfg, *, inputs, out, ctx) -> StageResult
 
-`cfg` is the stage's own config section (or sections, see pipeline/plan.py), `inputs` maps
-upstream stage names to finished `Artifact`s, `out` is an empty temporary directory that
+and listed in the stage table (`pipeline/plan.py`: name, run function, config sections, inputs).
+Its module imports no torch at the top (the pipeline core and the data stages stay torch-free).
+`cfg` is the stage's own config section (further sections by name), `inputs` maps
+upstream stage names to finished `Artifact`s (or the resolved external inputs: `raw`, `task`), `out` is an empty temporary directory that
 becomes the artifact when `run` returns (so a stage never needs its own atomic-write logic),
 and `ctx` carries what is not configuration: where to keep state that must survive a failed
 attempt, the MLflow tracker of the stage's run, and the lineage ids for registry tags.
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from deberta.config import DebertaConfig
+    from pipeline.config import ModelConfig
     from pipeline.lineage import Tracker
 
 
@@ -44,6 +47,14 @@ class StageContext:
     """Artifact ids upstream of this stage, e.g. {"corpus": "...", "vocab": "..."} (for registry tags)."""
     preset: str = "debug"
     """Name of the preset (registered model names derive from it)."""
+    stage: str = "stage"
+    """Name of the stage (its Ray Train / Tune runs are named after it)."""
+
+    @property
+    def run_name(self) -> str:
+        """Name of the stage's Ray Train / Tune run under `storage_path` (its resumable state: `--force STAGE`
+        discards every run whose name starts with it, and `scratch`)."""
+        return f"{self.stage}-{self.artifact_id}"
 
 
 @dataclass
@@ -56,3 +67,10 @@ class StageResult:
     """Files (relative to `out`) to log as MLflow artifacts of the stage run (reports, plots)."""
     summary: dict[str, str] = field(default_factory=dict)
     """Short facts for the end-of-run summary (e.g. registered model versions)."""
+
+
+def model_config(model: "ModelConfig") -> "DebertaConfig":
+    """The [model] section (plain data) as the model library's own config."""
+    from deberta.config import DebertaConfig
+
+    return DebertaConfig.from_dict(model.to_dict())

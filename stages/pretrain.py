@@ -31,20 +31,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import pyarrow.parquet as pq
 
 from cluster.deepspeed_config import build_deepspeed_config
-from deberta.config import DebertaConfig
 from pipeline.artifacts import Artifact
-from pipeline.config import ConfigError, PretrainConfig, pretrain_gpu_shortfall
-from stages.base import StageContext, StageInputError, StageResult
-from stages.pretrain_loop import LoopJob, TrainState, train_loop_per_worker
+from pipeline.config import ModelConfig, PretrainConfig
+from pipeline.tokenizer import Tokenizer
+from stages.base import StageContext, StageInputError, StageResult, model_config
 
-NAME = "pretrain"
-VERSION = "1"
+if TYPE_CHECKING:  # the model library and the worker loop import torch: only inside `run`
+    from deberta.config import DebertaConfig
+    from stages.pretrain_loop import LoopJob, TrainState
 
-PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+VERSION = "2"  # 2: the reference linear schedule (DeepSpeed's WarmupDecayLR was two steps late)
+
 PLAN_GPUS_PER_NODE = 8
 PLAN_DEVICE = "H100"
 PLAN_MFU = 0.40
@@ -53,30 +56,17 @@ PLAN_MFU = 0.40
 
 # ----------------------------------------------------------------------------------------------- checks
 
-def check_config(cfg: PretrainConfig, model: DebertaConfig, tokenizer_len: int | None = None,
-                 seq_len: int | None = None, num_gpus: int | None = None) -> dict[str, Any]:
-    """Every invariant a user can break, as one StageInputError; returns the DeepSpeed config."""
-    try:
-        ds_config = build_deepspeed_config(cfg, cfg.num_workers, cfg.use_gpu)
-    except ConfigError as e:
-        raise StageInputError(str(e)) from None
+def check_inputs(model: ModelConfig, tokenizer_len: int, seq_len: int) -> None:
+    """What only the input artifacts can tell (the config itself was validated before any stage ran)."""
     problems = []
-    if cfg.placement_strategy not in PLACEMENTS:
-        problems.append(f"pretrain.placement_strategy={cfg.placement_strategy!r}: use one of {', '.join(PLACEMENTS)}")
-    for name in ("log_interval", "eval_interval", "ckpt_interval", "cpus_per_worker"):
-        if getattr(cfg, name) < 1:
-            problems.append(f"pretrain.{name}={getattr(cfg, name)}: must be >= 1")
-    if shortfall := pretrain_gpu_shortfall(cfg, num_gpus):
-        problems.append(shortfall)
-    if tokenizer_len is not None and model.vocab_size < tokenizer_len:
+    if model.vocab_size < tokenizer_len:
         problems.append(f"model.vocab_size={model.vocab_size} < tokenizer length {tokenizer_len} of the vocab "
                         f"artifact; set model.vocab_size >= {tokenizer_len}")
-    if seq_len is not None and seq_len > model.max_position_embeddings:
+    if seq_len > model.max_position_embeddings:
         problems.append(f"token sequences have {seq_len} tokens > model.max_position_embeddings="
                         f"{model.max_position_embeddings}; re-tokenize with a shorter tokenize.max_seq_len")
     if problems:
         raise StageInputError("; ".join(problems))
-    return ds_config
 
 
 def token_shards(tokenize: Artifact, split: str) -> tuple[list[str], int, int]:
@@ -112,10 +102,12 @@ def quiet_data():
         ctx.enable_progress_bars = previous
 
 
-def _trainer(cfg: PretrainConfig, job: LoopJob, train_files: list[str], ctx: StageContext):
+def _trainer(cfg: PretrainConfig, job: "LoopJob", train_files: list[str], ctx: StageContext):
     import ray.data
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
+
+    from stages.pretrain_loop import train_loop_per_worker
 
     with quiet_data():
         datasets = {"train": ray.data.read_parquet(train_files, columns=["input_ids"])}
@@ -137,9 +129,10 @@ def _trainer(cfg: PretrainConfig, job: LoopJob, train_files: list[str], ctx: Sta
     )
 
 
-def _loop_job(cfg: PretrainConfig, model: DebertaConfig, ds_config: dict, seq_len: int, val_files: list[str], tok,
-              tracker) -> LoopJob:
+def _loop_job(cfg: PretrainConfig, model: "DebertaConfig", ds_config: dict, seq_len: int, val_files: list[str],
+              tok: Tokenizer, tracker) -> "LoopJob":
     from deberta.flops import train_flops_per_token
+    from stages.pretrain_loop import LoopJob
 
     return LoopJob(
         cfg=cfg, model=model, ds_config=ds_config, seq_len=seq_len, val_files=tuple(val_files),
@@ -150,9 +143,11 @@ def _loop_job(cfg: PretrainConfig, model: DebertaConfig, ds_config: dict, seq_le
         tracker=tracker)
 
 
-def consolidate(checkpoint_dir: Path, zero_stage: int) -> tuple[dict, TrainState]:
+def consolidate(checkpoint_dir: Path, zero_stage: int) -> tuple[dict, "TrainState"]:
     """fp32 state dict of a reported DeepSpeed checkpoint (all ranks' shards merged by Ray Train storage)."""
     import torch
+
+    from stages.pretrain_loop import TrainState
 
     state = TrainState.read(checkpoint_dir)
     if zero_stage == 0:  # no ZeRO shards: rank 0's module states are the full model
@@ -191,7 +186,7 @@ def plot_losses(ctx: StageContext, path: Path) -> None:
     plt.close(fig)
 
 
-def write_outputs(out: Path, model: DebertaConfig, state_dict: dict, vocab: Artifact) -> str:
+def write_outputs(out: Path, model: "DebertaConfig", state_dict: dict, vocab: Artifact) -> str:
     """model/, tokenizer/ and hf/ of the artifact; returns a note on the HF export."""
     from deberta import checkpoint
     from deberta.model import DebertaForMaskedLM
@@ -212,21 +207,17 @@ def write_outputs(out: Path, model: DebertaConfig, state_dict: dict, vocab: Arti
     return "hf/ written"
 
 
-def run(cfg: PretrainConfig, *, model: DebertaConfig, inputs: dict[str, Artifact], out: Path,
+def run(cfg: PretrainConfig, *, model: ModelConfig, inputs: dict[str, Artifact], out: Path,
         ctx: StageContext) -> StageResult:
-    import ray
-
-    from stages.vocab import Tokenizer
-
     tok = Tokenizer.load(inputs["vocab"].path)
     train_files, train_rows, seq_len = token_shards(inputs["tokenize"], "train")
     val_files, _, _ = token_shards(inputs["tokenize"], "validation")
-    num_gpus = int(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else None
-    ds_config = check_config(cfg, model, len(tok), seq_len, num_gpus)
+    check_inputs(model, len(tok), seq_len)
+    ds_config = build_deepspeed_config(cfg, cfg.num_workers, cfg.use_gpu)
     if train_rows < cfg.micro_batch_size * cfg.num_workers:
         raise StageInputError(f"the train split has {train_rows} sequences, fewer than micro_batch_size x workers = "
                               f"{cfg.micro_batch_size * cfg.num_workers}; tokenize more text or shrink the batch")
-    job = _loop_job(cfg, model, ds_config, seq_len, val_files, tok, ctx.tracker)
+    job = _loop_job(cfg, model_config(model), ds_config, seq_len, val_files, tok, ctx.tracker)
     ctx.tracker.log_dict({"deepspeed": ds_config, "seq_len": seq_len}, "deepspeed_config.json")
     started = time.time()
     result = _trainer(cfg, job, train_files, ctx).fit()
@@ -238,12 +229,12 @@ def run(cfg: PretrainConfig, *, model: DebertaConfig, inputs: dict[str, Artifact
         state_dict, state = consolidate(Path(d), cfg.zero_stage)
     if state.step != cfg.max_steps:
         raise RuntimeError(f"last checkpoint is {state.tag}, expected step{cfg.max_steps}")
-    hf_note = write_outputs(out, model, state_dict, inputs["vocab"])
+    hf_note = write_outputs(out, model_config(model), state_dict, inputs["vocab"])
     print(f"[pretrain] artifact written after {time.time() - started:.0f}s; logging to MLflow", flush=True)
     return finish(cfg, model, out, ctx, result.metrics, seq_len, hf_note)
 
 
-def finish(cfg: PretrainConfig, model: DebertaConfig, out: Path, ctx: StageContext, final: dict,
+def finish(cfg: PretrainConfig, model: ModelConfig, out: Path, ctx: StageContext, final: dict,
            seq_len: int, hf_note: str) -> StageResult:
     """metrics.json, loss curve, MLflow artifacts and the registry entry."""
     def last(key: str) -> float | None:
@@ -284,7 +275,7 @@ def finish(cfg: PretrainConfig, model: DebertaConfig, out: Path, ctx: StageConte
 
 # ----------------------------------------------------------------------------------------------- --dry-run
 
-def _largest_layer_params(model: DebertaConfig) -> int:
+def _largest_layer_params(model: "DebertaConfig") -> int:
     """Largest single module's own parameters (the word embedding for every preset), on the meta device."""
     import torch
 
@@ -295,7 +286,7 @@ def _largest_layer_params(model: DebertaConfig) -> int:
     return max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules())
 
 
-def dry_run(cfg: PretrainConfig, model: DebertaConfig) -> str:
+def dry_run(cfg: PretrainConfig, model: ModelConfig) -> str:
     """The plan on paper: parameters, ZeRO-2/3 memory per GPU (DeepSpeed's estimators), tokens, time."""
     from deepspeed.runtime.zero.stage3 import (estimate_zero3_model_states_mem_needs,
                                                estimate_zero3_model_states_mem_needs_all_cold)
@@ -305,6 +296,7 @@ def dry_run(cfg: PretrainConfig, model: DebertaConfig) -> str:
     from deberta.config import num_parameters
     from deberta.flops import PEAK_FLOPS, train_flops_per_token
 
+    model = model_config(model)
     total, backbone = num_parameters(model, "mlm"), num_parameters(model, "backbone")
     largest = _largest_layer_params(model)
     nodes = max(1, math.ceil(cfg.num_workers / PLAN_GPUS_PER_NODE))
@@ -321,10 +313,7 @@ def dry_run(cfg: PretrainConfig, model: DebertaConfig) -> str:
     flops_tok = train_flops_per_token(model, seq_len, target_fraction=cfg.mlm_probability)
     peak = PEAK_FLOPS[(PLAN_DEVICE, "bf16")]
     step_s = tokens * flops_tok / (cfg.num_workers * peak * PLAN_MFU)
-    try:
-        accum = f"{build_deepspeed_config(cfg, cfg.num_workers, cfg.use_gpu)['gradient_accumulation_steps']}"
-    except ConfigError as e:
-        accum = f"invalid ({e})"
+    accum = build_deepspeed_config(cfg, cfg.num_workers, cfg.use_gpu)["gradient_accumulation_steps"]
     lines = [
         f"pretrain plan: {nodes} node(s) x {gpus_per_node} {PLAN_DEVICE} = {cfg.num_workers} workers, "
         f"ZeRO-{cfg.zero_stage}",

@@ -33,6 +33,7 @@ import torch
 
 from deberta.config import DebertaConfig
 from deberta.masking import SpanMasker
+from cluster.engine import Engine, OptimSpec, build
 from pipeline.config import PretrainConfig
 
 STATE_FILE = "train_state.json"
@@ -98,51 +99,23 @@ class RankZero:
             self.tracker.log_metrics({k: v for k, v in metrics.items() if v is not None}, step=step)
 
 
-def _disable_shm_comm_op() -> None:
-    """DeepSpeed's CPU shared-memory all-reduce op is JIT-compiled (~80 s) when its comm backend starts.
-
-    It only serves `inference_all_reduce` (training uses the gloo process group) and assumes all ranks
-    share one host, so we mark it incompatible; `deepspeed.ops.__compatible_ops__` is the dict DeepSpeed
-    itself consults (deepspeed/comm/torch.py `build_shm_op`) and documents as editable.
-    """
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+def optim_spec(cfg: PretrainConfig) -> OptimSpec:
+    """Table 8's AdamW, schedule and clipping for `cluster.engine`."""
+    return OptimSpec(lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,
+                     weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                     grad_clip=cfg.grad_clip)
 
 
-def init_distributed(backend: str) -> None:
-    """DeepSpeed's comm layer on the process group the launcher (Ray Train, or env vars) describes."""
-    import deepspeed
+def make_engine(cfg: PretrainConfig, model_cfg: DebertaConfig, ds_config: dict[str, Any], backend: str) -> Engine:
+    """DebertaForMaskedLM inside the DeepSpeed engine of `cluster.engine` (no Ray needed: benches call it too).
+    Seeded: identical initial weights on every rank."""
+    from deberta.model import DebertaForMaskedLM, init_weights
 
-    if backend == "gloo":
-        _disable_shm_comm_op()
-    deepspeed.init_distributed(dist_backend=backend)
-
-
-def make_engine(cfg: PretrainConfig, model_cfg: DebertaConfig, ds_config: dict[str, Any], backend: str):
-    """DebertaForMaskedLM + torch AdamW (no decay on biases and LayerNorms) inside a DeepSpeed engine.
-
-    Needs no Ray: the stage calls it through `build_engine`, `bench/train_step.py` directly.
-    """
-    import deepspeed
-
-    from deberta.model import DebertaForMaskedLM
-
-    init_distributed(backend)
-    torch.manual_seed(cfg.seed)  # identical init on every rank (ZeRO-3 partitions each rank's own copy)
-    model = DebertaForMaskedLM(model_cfg)
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (no_decay if p.ndim < 2 or "LayerNorm" in name else decay).append(p)
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-        fused=backend == "nccl")  # one CUDA kernel for the whole update on GPU; the plain loop on CPU
-    engine, _, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-    return engine, scheduler
+    return build(lambda: DebertaForMaskedLM(model_cfg), optim_spec(cfg), ds_config=ds_config, backend=backend,
+                 seed=cfg.seed, init_module=lambda m: init_weights(m, model_cfg))
 
 
-def build_engine(job: LoopJob, use_gpu: bool):
+def build_engine(job: LoopJob, use_gpu: bool) -> Engine:
     """`make_engine` on the GPU (NCCL) or CPU (gloo) Ray Train gave this worker."""
     if use_gpu:
         import ray.train.torch
@@ -232,7 +205,7 @@ def save_and_report(engine, state: TrainState, metrics: dict[str, float], rank: 
     root = Path(tempfile.mkdtemp(prefix=f"ds-ckpt-rank{rank}-"))
     try:
         state.tag = f"step{state.step}"  # never "latest": that name is DeepSpeed's pointer file
-        engine.save_checkpoint(str(root), tag=state.tag, client_state={"train_state": asdict(state)})
+        engine.ds.save_checkpoint(str(root), tag=state.tag, client_state={"train_state": asdict(state)})
         if rank == 0:
             (root / STATE_FILE).write_text(json.dumps(asdict(state)))
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(root)))
@@ -249,7 +222,7 @@ def restore(engine, out: RankZero) -> TrainState:
         return TrainState()
     with ckpt.as_directory() as d:
         state = TrainState.read(Path(d))
-        path, _ = engine.load_checkpoint(d, tag=state.tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+        path, _ = engine.ds.load_checkpoint(d, tag=state.tag, load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {state.tag} from {d}")
     out.print(f"restored {state.tag} from {ckpt.path}: resuming at step {state.step + 1}, "
@@ -330,8 +303,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     out = RankZero(rank, job.tracker)
-    engine, scheduler = build_engine(job, cfg.use_gpu)
-    accum = engine.gradient_accumulation_steps()
+    engine = build_engine(job, cfg.use_gpu)
+    accum = engine.accumulation
     masker = SpanMasker(job.tokenizer_len, job.mask_id, job.special_ids, job.word_start_mask(),
                         mlm_probability=cfg.mlm_probability, max_ngram=cfg.max_ngram, seed=cfg.seed)
     nodes = worker_nodes(world)
@@ -349,8 +322,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         timer.step()
         done = state.step == cfg.max_steps
         if state.step % cfg.log_interval == 0 or done:
-            metrics = {"loss": all_reduce_sum([loss], engine.device)[0] / world, "lr": scheduler.get_last_lr()[0],
-                       "grad_norm": engine.get_global_grad_norm(), "epoch": state.epoch, **timer.read(state.step)}
+            metrics = {"loss": all_reduce_sum([loss], engine.device)[0] / world, "lr": engine.lr,
+                       "grad_norm": engine.grad_norm, "epoch": state.epoch, **timer.read(state.step)}
             out.print(f"step {state.step}/{cfg.max_steps} loss {metrics['loss']:.4f} lr {metrics['lr']:.3e} "
                       f"tokens/s {metrics['tokens_per_s']:,.0f} ETA {metrics['eta_s'] / 60:.1f} min")
             out.log({k: None if v is None else float(v) for k, v in metrics.items()}, step=state.step)

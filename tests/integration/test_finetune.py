@@ -22,10 +22,15 @@ from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification
 from pipeline.artifacts import Artifact
 from pipeline.config import FinetuneConfig, VocabConfig
 from pipeline.presets import GRID_1_5B, GRID_BASE, GRID_LARGE, PRESETS
+from cluster.engine import OptimSpec, linear_warmup_decay, make_optimizer
 from stages import finetune
+from stages.finetune import data as ft_data
+from stages.finetune import sweep as ft_sweep
+from stages.finetune import trial as ft_trial
 from stages.base import StageContext, StageInputError
-from stages.tasks import resolve_task
-from stages.vocab import MODEL_FILE, SPECIAL_FILE, Tokenizer, train_model
+from stages.finetune.tasks import resolve_task
+from pipeline.tokenizer import MODEL_FILE, SPECIAL_FILE, Tokenizer
+from stages.vocab import train_model
 
 PIECES = 2_000
 SEQ = 64
@@ -54,7 +59,7 @@ def build_tiny_pretrained(root: Path, texts: list[str], steps: int = 200, seed: 
     masker = SpanMasker(len(tok), tok.mask_id, tok.special_ids.values(),
                         torch.from_numpy(tok.word_start_mask()), seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01, eps=1e-6)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, finetune.linear_schedule(30, steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, linear_warmup_decay(30, steps))
     rng = np.random.default_rng(seed)
     losses = []
     for step in range(steps):
@@ -81,7 +86,7 @@ def pretrained(tmp_path_factory, news_jsonl) -> tuple[Artifact, Artifact]:
 
 
 def _context(tmp: Path, tracker, art_id: str) -> StageContext:
-    return StageContext(artifact_id=art_id, workdir=tmp, scratch=tmp / "scratch", storage_path=str(tmp / "ray_results"),
+    return StageContext(stage="finetune", artifact_id=art_id, workdir=tmp, scratch=tmp / "scratch", storage_path=str(tmp / "ray_results"),
                         tracker=tracker, lineage={"pretrain": "tiny-pretrain", "corpus": "news+reviews",
                                                   "vocab": "tiny-vocab"}, preset="debug")
 
@@ -99,10 +104,10 @@ def _context(tmp: Path, tracker, art_id: str) -> StageContext:
 def test_param_space_is_table9(preset, table9):
     grids = {"deberta-1.5b": GRID_1_5B, "deberta-large": GRID_LARGE, "deberta-base": GRID_BASE}
     cfg = PRESETS[preset]().finetune
-    space = finetune.param_space(cfg)
+    space = ft_sweep.param_space(cfg)
     assert space == {**{k: {"grid_search": v} for k, v in table9.items()}, "seed": {"grid_search": list(cfg.seeds)}}
     assert {k: list(v) for k, v in grids[preset].items()} == table9
-    assert finetune.grid_size(cfg) == np.prod([len(v) for v in table9.values()]) * len(cfg.seeds)
+    assert ft_sweep.grid_size(cfg) == np.prod([len(v) for v in table9.values()]) * len(cfg.seeds)
     assert cfg.epochs == 10 and cfg.adam_eps == 1e-6 and (cfg.adam_beta1, cfg.adam_beta2) == (0.9, 0.999)
     assert cfg.sift == (preset == "deberta-1.5b") and cfg.weight_decay == 0.01 and cfg.grad_clip == 1.0
 
@@ -163,8 +168,8 @@ def test_sweep_beats_baseline_and_registers_champion(pretrained, ray_local, mlfl
     clf = DebertaForSequenceClassification(checkpoint.load_config(out / "model"), saved["num_labels"], 0.0)
     clf.load_state_dict(torch.load(out / "model" / "model.pt", weights_only=True))
     tok = Tokenizer.load(out / "model" / "tokenizer")
-    dev = finetune.encode_split(tok, task.dev, SEQ)
-    assert finetune.evaluate(clf, dev, task.kind, "cpu")["accuracy"] == pytest.approx(best, abs=1e-6)
+    dev = ft_data.encode_split(tok, task.dev, SEQ)
+    assert ft_trial.evaluate(clf, dev, task.kind, "cpu")["accuracy"] == pytest.approx(best, abs=1e-6)
 
     # the registry: champion alias with lineage tags; every trial a nested run with per-epoch metrics
     client = MlflowClient(mlflow_server)
@@ -194,26 +199,26 @@ def test_sift_changes_the_loss_and_still_trains(pretrained, task_name):
     task = resolve_task(task_name)
     tok = Tokenizer.load(pre.path / "tokenizer")
     cfg = FinetuneConfig(max_seq_len=SEQ, max_train_examples=512, sift=True)
-    train, _ = finetune.prepare_data(task, tok, cfg)
+    train, _ = ft_data.prepare_data(task, tok, cfg)
     model_cfg = checkpoint.load_config(pre.path / "model")
-    weights = finetune.backbone_weights(pre.path / "model")
+    weights = ft_data.backbone_weights(pre.path / "model")
     torch.manual_seed(0)
     model = DebertaForSequenceClassification(model_cfg, task.num_labels, classifier_dropout=0.0, sift=True)
-    finetune.load_backbone(model, weights)
+    ft_trial.load_backbone(model, weights)
     model.eval()  # no dropout: the two losses differ only by the SiFT term
-    batch = finetune._batch(train, np.arange(32), "cpu")
-    plain, _ = finetune.train_step(model, batch, None)
+    batch = ft_trial._batch(train, np.arange(32), "cpu")
+    plain, _ = ft_trial.train_step(model, batch, None)
     torch.manual_seed(1)
-    with_sift, term = finetune.train_step(model, batch, cfg.sift_lambda)
+    with_sift, term = ft_trial.train_step(model, batch, cfg.sift_lambda)
     assert term > 0 and float(with_sift.detach()) == pytest.approx(float(plain.detach()) + term, rel=1e-5)
 
     model.train()  # 8 epochs over 128 examples with the SiFT term on: the total loss must fall
-    opt = finetune.make_optimizer(model, 1e-3, cfg)
+    opt, _ = make_optimizer(model, OptimSpec(lr=1e-3, warmup_steps=0, total_steps=10**9))
     epochs, terms = [], []
     for epoch in range(8):
         losses = []
         for start in range(0, 128, 32):
-            loss, term = finetune.train_step(model, finetune._batch(train, np.arange(start, start + 32), "cpu"),
+            loss, term = ft_trial.train_step(model, ft_trial._batch(train, np.arange(start, start + 32), "cpu"),
                                              cfg.sift_lambda)
             opt.zero_grad()
             loss.backward()
@@ -312,8 +317,8 @@ def test_deepspeed_sweep_zero3_two_workers_with_sift(pretrained, ray_local, mlfl
     saved = json.loads((out / "model" / "finetune.json").read_text())
     clf = DebertaForSequenceClassification(checkpoint.load_config(out / "model"), saved["num_labels"], 0.0)
     clf.load_state_dict(torch.load(out / "model" / "model.pt", weights_only=True))
-    dev = finetune.encode_split(Tokenizer.load(out / "model" / "tokenizer"), task.dev, SEQ)
-    assert finetune.evaluate(clf, dev, task.kind, "cpu")["accuracy"] == pytest.approx(best, abs=1e-6)
+    dev = ft_data.encode_split(Tokenizer.load(out / "model" / "tokenizer"), task.dev, SEQ)
+    assert ft_trial.evaluate(clf, dev, task.kind, "cpu")["accuracy"] == pytest.approx(best, abs=1e-6)
 
     client = MlflowClient(mlflow_server)
     mv = client.get_model_version_by_alias("deberta-debug-rotten-tomatoes", "champion")

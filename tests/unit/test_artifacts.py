@@ -5,7 +5,7 @@ import json
 import pytest
 
 from pipeline.artifacts import SUCCESS, ArtifactStore, artifact_id
-from pipeline.plan import STAGES, StageSpec
+from pipeline.plan import STAGES
 from pipeline.presets import PRESETS
 
 
@@ -42,15 +42,10 @@ def test_atomic_build_failure_leaves_nothing(tmp_path):
     assert list((tmp_path / "artifacts" / "corpus").iterdir()) == []  # temp dir removed too
 
 
-# The stage graph's shape with a module that always exists, so the test does not depend on
-# which stages are built.
-GRAPH = tuple(StageSpec(s.name, "stages.base", s.sections, s.inputs, s.help) for s in STAGES)
-
-
 def make_plan(cfg, store, ids, **kw):
     from pipeline.plan import make_plan as real
 
-    return real(cfg, store, ids, stages=GRAPH, **kw)
+    return real(cfg, store, ids, **kw)
 
 
 def test_plan_ids_chain_and_cache(tmp_path):
@@ -78,3 +73,25 @@ def test_plan_only_and_until(tmp_path):
     assert [(s.spec.name, s.run) for s in only] == [("corpus", False), ("vocab", True)]
     with pytest.raises(ValueError, match="unknown stage 'nope'"):
         make_plan(cfg, store, {"raw": "r1"}, until="nope")
+
+
+def test_how_fields_stay_out_of_ids_what_fields_do_not(tmp_path):
+    import dataclasses
+
+    store, cfg = ArtifactStore(tmp_path), PRESETS["debug"]()
+    ids = lambda c: {s.spec.name: s.artifact_id for s in make_plan(c, store, {"raw": "r1", "task": "t1"})}  # noqa: E731
+    base = ids(cfg)
+    how = dataclasses.replace(cfg, pretrain=dataclasses.replace(cfg.pretrain, log_interval=7, max_failures=0,
+                                                                cpus_per_worker=3, placement_strategy="SPREAD"),
+                              tokenize=dataclasses.replace(cfg.tokenize, num_workers=5),
+                              finetune=dataclasses.replace(cfg.finetune, max_concurrent_trials=1))
+    assert ids(how) == base
+    what = dataclasses.replace(cfg, pretrain=dataclasses.replace(cfg.pretrain, lr=1e-4))
+    changed = ids(what)
+    assert changed["tokenize"] == base["tokenize"]
+    assert changed["pretrain"] != base["pretrain"] and changed["finetune"] != base["finetune"]
+
+
+def test_stage_table_is_explicit():
+    assert [s.name for s in STAGES] == ["corpus", "vocab", "tokenize", "pretrain", "finetune"]
+    assert all(callable(s.run) and s.version for s in STAGES)

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from pipeline.config import ConfigError, apply_overrides, validate
+from pipeline.config import ConfigError, apply_overrides, check_cluster, validate
 from pipeline.presets import GRID_1_5B, GRID_BASE, GRID_LARGE, PRESETS
 
 
@@ -69,8 +69,11 @@ def test_zero_stage_and_gpu_checked():
     with pytest.raises(ConfigError, match="ZeRO stages are 0, 1, 2 and 3"):
         validate(apply_overrides(PRESETS["debug"](), ["pretrain.zero_stage=4"]))
     gpu = apply_overrides(PRESETS["debug"](), ["pretrain.use_gpu=true"])
-    with pytest.raises(ConfigError, match="the Ray cluster has 0"):
-        validate(gpu, num_gpus_available=0)
+    with pytest.raises(ConfigError, match="asks for 2 GPUs but the Ray cluster has 0"):
+        check_cluster(gpu, ["pretrain"], cpus=8, gpus=0)
+    check_cluster(gpu, ["corpus"], cpus=8, gpus=0)  # only the stages about to run are checked
+    with pytest.raises(ConfigError, match="set ray.num_cpus=4"):
+        check_cluster(PRESETS["debug"](), ["pretrain"], cpus=2, gpus=0)
 
 
 def test_embedding_rows_cover_tokenizer():
@@ -85,7 +88,7 @@ def test_finetune_trial_layout_of_the_presets():
     large, big = PRESETS["deberta-large"]().finetune, PRESETS["deberta-1.5b"]().finetune
     assert (large.trainer, large.workers_per_trial) == ("deepspeed", 2)
     assert (big.trainer, big.workers_per_trial, big.use_gpu) == ("deepspeed", 8, True)
-    validate(apply_overrides(PRESETS["deberta-1.5b"](), ["pretrain.use_gpu=false"]), num_gpus_available=8)
+    check_cluster(PRESETS["deberta-1.5b"](), ["finetune"], cpus=64, gpus=8)
 
 
 @pytest.mark.parametrize("items, fragment", [
@@ -103,6 +106,46 @@ def test_finetune_trainer_errors_name_the_key_and_fix(items, fragment):
 
 
 def test_finetune_gpus_per_trial_checked_against_the_cluster():
-    cfg = apply_overrides(PRESETS["deberta-1.5b"](), ["pretrain.use_gpu=false"])  # the fine-tuning check alone
     with pytest.raises(ConfigError, match="needs 8 GPU\\(s\\) per trial but the Ray cluster has 4"):
-        validate(cfg, num_gpus_available=4)
+        check_cluster(PRESETS["deberta-1.5b"](), ["finetune"], cpus=64, gpus=4)
+
+
+@pytest.mark.parametrize("item, fragment", [
+    ("tokenize.max_seq_len=2", "tokenize.max_seq_len=2: needs room for"),
+    ("tokenize.max_seq_len=256", "tokenize.max_seq_len=256 exceeds model.max_position_embeddings=128"),
+    ("finetune.max_seq_len=256", "finetune.max_seq_len=256 exceeds model.max_position_embeddings=128"),
+    ("tokenize.num_workers=0", "tokenize.num_workers=0: use at least 1"),
+    ("vocab.sample_documents=0", "vocab.sample_documents=0: must be >= 1"),
+    ("vocab.num_threads=-1", "vocab.num_threads=-1: must be >= 0"),
+    ("pretrain.placement_strategy=RANDOM", "placement_strategy='RANDOM': use one of PACK"),
+    ("pretrain.log_interval=0", "pretrain.log_interval=0: must be >= 1"),
+    ("pretrain.max_steps=0", "pretrain.max_steps=0: must be >= 1"),
+    ("model.num_attention_heads=3", "model.hidden_size=64 is not a multiple of model.num_attention_heads=3"),
+    ("model.attn_impl=flash", "model.attn_impl='flash'"),
+    ("finetune.max_train_examples=0", "finetune.max_train_examples=0"),
+])
+def test_every_stage_enforced_bound_is_checked_up_front(item, fragment):
+    """What a stage used to refuse only after the stages before it had run is refused by `validate`."""
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        validate(apply_overrides(PRESETS["debug"](), [item]))
+
+
+def test_model_section_mirrors_the_model_library():
+    """The [model] section is plain data with exactly DebertaConfig's fields and defaults."""
+    from deberta.config import DebertaConfig
+    from pipeline.config import ModelConfig
+
+    ours = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    theirs = {f.name: f.default for f in dataclasses.fields(DebertaConfig)}
+    assert ours == theirs
+    for name in PRESETS:
+        model = PRESETS[name]().model
+        assert DebertaConfig.from_dict(model.to_dict()).to_dict() == model.to_dict()
+
+
+def test_what_and_how_fields():
+    p = PRESETS["debug"]().pretrain
+    assert "log_interval" not in p.what() and "cpus_per_worker" not in p.what() and "lr" in p.what()
+    for section in ("corpus", "vocab", "tokenize", "pretrain", "finetune", "model", "ray"):
+        s = getattr(PRESETS["debug"](), section)
+        assert set(s.HOW) <= set(s.to_dict()), section  # every *how* name is a real field

@@ -1,4 +1,5 @@
-"""DeepSpeed config builder, the pretrain stage's pre-flight checks, its --dry-run, and deberta.checkpoint (no Ray)."""
+"""The DeepSpeed config builder, the training engine (schedule, weight decay), the pretrain stage's input checks and
+--dry-run, and deberta.checkpoint (no Ray)."""
 
 from __future__ import annotations
 
@@ -11,23 +12,21 @@ from cluster.deepspeed_config import build_deepspeed_config
 from deberta import checkpoint
 from deberta.config import debug
 from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification
-from pipeline.config import ConfigError, PretrainConfig
+from pipeline.config import PretrainConfig
 from pipeline.presets import deberta_1_5b
 from stages.base import StageInputError
-from stages.pretrain import check_config, dry_run
+from stages.pretrain import check_inputs, dry_run
 
 CFG = PretrainConfig(num_workers=2, micro_batch_size=8, train_batch_size=32, lr=1e-3, warmup_steps=10, max_steps=100)
 
 
-def test_batch_arithmetic_and_table8_schedule():
+def test_batch_arithmetic_precision_and_no_scheduler_section():
     ds = build_deepspeed_config(CFG, world_size=2, use_gpu=False)
     assert ds["train_batch_size"] == 32 and ds["train_micro_batch_size_per_gpu"] == 8
     assert ds["gradient_accumulation_steps"] == 2
     assert ds["gradient_clipping"] == 1.0 and ds["zero_optimization"]["stage"] == 2
-    assert ds["bf16"]["enabled"] is False and "optimizer" not in ds  # client torch AdamW
-    sched = ds["scheduler"]
-    assert sched["type"] == "WarmupDecayLR" and sched["params"]["warmup_type"] == "linear"
-    assert sched["params"]["warmup_max_lr"] == 1e-3 and sched["params"]["total_num_steps"] == 100
+    assert ds["bf16"]["enabled"] is False
+    assert "optimizer" not in ds and "scheduler" not in ds  # client AdamW and schedule (cluster.engine)
     gpu = build_deepspeed_config(dataclasses.replace(CFG, zero_stage=3), world_size=2, use_gpu=True)
     assert gpu["bf16"]["enabled"] is True and gpu["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
 
@@ -36,34 +35,79 @@ def test_paper_preset_is_2048_sequences_exactly():
     p = deberta_1_5b().pretrain
     ds = build_deepspeed_config(p, p.num_workers, use_gpu=True)
     per_step = ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 128
-    assert ds["train_batch_size"] == 2048 == per_step
-    assert ds["zero_optimization"]["stage"] == 3 and ds["scheduler"]["params"]["warmup_num_steps"] == 10_000
+    assert ds["train_batch_size"] == 2048 == per_step and ds["zero_optimization"]["stage"] == 3
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(train_batch_size=24), "must equal micro_batch_size x accumulation x workers"),
-    (dict(train_batch_size=8), "must equal micro_batch_size x accumulation x workers"),
-    (dict(zero_stage=4), "ZeRO stages are 0, 1, 2 and 3"),
-    (dict(max_steps=0), "max_steps=0 must be >= 1"),
-])
-def test_bad_values_raise_one_clear_error(change, message):
-    with pytest.raises(ConfigError, match=message):
-        build_deepspeed_config(dataclasses.replace(CFG, **change), world_size=2, use_gpu=False)
+def reference_lr(s: int, peak: float, warmup: int, total: int) -> float:
+    """HF get_linear_schedule_with_warmup after s optimizer steps (s counted from 0)."""
+    return peak * s / warmup if s < warmup else peak * max(0.0, (total - s) / (total - warmup))
 
 
-def test_stage_checks_name_the_key_and_the_fix():
-    model = debug(vocab_size=1100)
-    with pytest.raises(StageInputError, match=r"pretrain.train_batch_size=24 .* pick a multiple of 16"):
-        check_config(dataclasses.replace(CFG, train_batch_size=24), model)
-    with pytest.raises(StageInputError, match="asks for 2 GPUs but the Ray cluster has 0"):
-        check_config(dataclasses.replace(CFG, use_gpu=True), model, num_gpus=0)
-    with pytest.raises(StageInputError, match="model.vocab_size=1100 < tokenizer length 1201"):
-        check_config(CFG, model, tokenizer_len=1201)
-    with pytest.raises(StageInputError, match="max_position_embeddings=128"):
-        check_config(CFG, model, seq_len=256)
-    with pytest.raises(StageInputError, match="placement_strategy"):
-        check_config(dataclasses.replace(CFG, placement_strategy="RANDOM"), model)
-    assert check_config(CFG, model, tokenizer_len=1001, seq_len=128, num_gpus=0)["train_batch_size"] == 32
+def lrs_of(engine, steps: int) -> list[float]:
+    """The lr each of the first `steps` optimizer steps used (read from the optimizer before stepping)."""
+    seen = []
+    for _ in range(steps):
+        seen.append(engine.optimizer.param_groups[0]["lr"])
+        engine(torch.ones(1, 4)).sum().backward()
+        engine.step()
+    return seen
+
+
+PROBES = lambda w, t: (0, 1, w - 1, w, w + 1, t - 1)  # noqa: E731
+
+
+def test_pretraining_schedule_is_the_reference_linear_one_in_deepspeed():
+    """DeepSpeed's own WarmupDecayLR was two steps late (lr 0 at steps 1-2, peak at W+2); the engine's client
+    schedule is the reference formula at every probed step, through a real (gloo, ZeRO-2) DeepSpeed engine."""
+    import os
+
+    from cluster.engine import build
+    from stages.pretrain_loop import optim_spec
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    cfg = PretrainConfig(num_workers=1, micro_batch_size=1, train_batch_size=1, lr=1e-3, warmup_steps=5, max_steps=12)
+    engine = build(lambda: torch.nn.Linear(4, 1), optim_spec(cfg), ds_config=build_deepspeed_config(cfg, 1, False),
+                   seed=0)
+    seen = lrs_of(engine, cfg.max_steps)
+    for s in PROBES(cfg.warmup_steps, cfg.max_steps):
+        assert seen[s] == pytest.approx(reference_lr(s, 1e-3, 5, 12), abs=1e-12), s
+    assert seen[0] == 0.0 and max(seen) == seen[5] == 1e-3
+
+
+def test_finetuning_schedule_is_the_same_formula():
+    from stages.finetune.trial import optim_spec, steps_per_epoch
+    from cluster.engine import build
+    from pipeline.config import FinetuneConfig
+
+    ft = FinetuneConfig(epochs=2)
+    grid = {"lr": 2e-5, "warmup_steps": 3, "batch_size": 4, "seed": 0}
+    spec = optim_spec(ft, grid, n_train=20)
+    total = steps_per_epoch(20, 4) * 2
+    assert spec.total_steps == total == 10
+    seen = lrs_of(build(lambda: torch.nn.Linear(4, 1), spec), total)
+    for s in PROBES(3, total):
+        assert seen[s] == pytest.approx(reference_lr(s, 2e-5, 3, total), abs=1e-15), s
+
+
+def test_one_weight_decay_rule():
+    from cluster.engine import param_groups
+
+    model = DebertaForMaskedLM(debug(vocab_size=300, num_hidden_layers=1))
+    decay, no_decay = param_groups(model, 0.01)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
+    assert all(p.ndim >= 2 for p in decay["params"])
+    off = {names[id(p)] for p in no_decay["params"]}
+    assert off and all(n.endswith("bias") or "LayerNorm" in n for n in off)
+
+
+def test_stage_checks_only_what_the_inputs_tell():
+    model = deberta_1_5b().model
+    with pytest.raises(StageInputError, match="model.vocab_size=128100 < tokenizer length 128200"):
+        check_inputs(model, tokenizer_len=128_200, seq_len=512)
+    with pytest.raises(StageInputError, match="max_position_embeddings=512"):
+        check_inputs(model, tokenizer_len=128_001, seq_len=1024)
+    check_inputs(model, tokenizer_len=128_001, seq_len=512)
 
 
 def test_dry_run_plans_the_1_5b_on_16_nodes():
@@ -106,12 +150,9 @@ def test_checkpoint_mismatch_is_one_clear_error(tmp_path):
 
 def test_finetune_config_splits_the_batch_and_keeps_the_client_schedule():
     from cluster.deepspeed_config import build_finetune_config
-    from pipeline.config import FinetuneConfig
 
-    ds = build_finetune_config(FinetuneConfig(zero_stage=3, grad_clip=0.5), batch_size=48, world_size=8)
+    ds = build_finetune_config(grad_clip=0.5, zero_stage=3, use_gpu=False, batch_size=48, world_size=8)
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (48, 6, 1)
     assert ds["gradient_clipping"] == 0.5 and "scheduler" not in ds and "optimizer" not in ds
     assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
-    assert ds["bf16"]["enabled"] is False  # FinetuneConfig.use_gpu is off: fp32 on CPU
-    with pytest.raises(ConfigError, match="batch_size=20 cannot be split evenly over 8 workers"):
-        build_finetune_config(FinetuneConfig(), batch_size=20, world_size=8)
+    assert ds["bf16"]["enabled"] is False  # fp32 on CPU

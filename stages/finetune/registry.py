@@ -1,0 +1,72 @@
+"""The champion's outputs: `model/` in the artifact, the sweep plot, and the MLflow registry entry."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pipeline.tokenizer import MODEL_FILE, SPECIAL_FILE
+from stages.base import StageContext
+from stages.finetune.sweep import GRID_KEYS
+from stages.finetune.tasks import TaskRef
+
+if TYPE_CHECKING:
+    from stages.finetune.trial import TrialSetup
+
+
+def plot_sweep(table, metric: str, baseline: float, path: Path, title: str) -> None:
+    """Dev metric against learning rate, one line per (batch size, dropout); best warmup, mean over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    agg = table.groupby(["batch_size", "dropout", "lr", "warmup_steps"])[metric].mean().groupby(
+        level=["batch_size", "dropout", "lr"]).max()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (bs, dropout), line in agg.groupby(level=["batch_size", "dropout"]):
+        lrs = line.index.get_level_values("lr")
+        ax.plot(lrs, line.values, marker="o", label=f"batch {bs}, dropout {dropout:g}")
+    ax.axhline(baseline, color="grey", linestyle="--", label=f"majority baseline {baseline:.3f}")
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel(f"{metric} (best epoch; best warmup; mean over seeds)")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def save_model(dst: Path, best_checkpoint, setup: "TrialSetup", task: TaskRef, tok_dir: Path, champion: dict) -> None:
+    """model/ = config.json (DebertaConfig) + model.pt (classification state dict) + finetune.json + tokenizer/."""
+    dst.mkdir(parents=True)
+    with best_checkpoint.as_directory() as ckpt:
+        shutil.copyfile(Path(ckpt) / "model.pt", dst / "model.pt")
+    (dst / "config.json").write_text(json.dumps(setup.model.to_dict(), indent=2, sort_keys=True) + "\n")
+    head = {"task": task.name, "task_id": task.id, "kind": task.kind, "metric": task.metric,
+            "labels": list(task.labels), "num_labels": setup.num_labels, "sift": setup.ft.sift,
+            "max_seq_len": setup.ft.max_seq_len, "trial": _jsonable(champion)}
+    (dst / "finetune.json").write_text(json.dumps(head, indent=2, sort_keys=True) + "\n")
+    (dst / "tokenizer").mkdir()
+    for name in (MODEL_FILE, SPECIAL_FILE):
+        if (tok_dir / name).is_file():
+            shutil.copyfile(tok_dir / name, dst / "tokenizer" / name)
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: (v.item() if hasattr(v, "item") else v) for k, v in d.items() if k != "trial_path"}
+
+
+def register_champion(ctx: StageContext, model_dir: Path, task: TaskRef, champion: dict, metric: str,
+                      baseline: float) -> str:
+    """Log model/ on the stage's run and register it as deberta-<preset>-<task> @champion; returns the version."""
+    ctx.tracker.log_artifacts(model_dir, "model")
+    trial_cfg = {k: _jsonable(champion)[k] for k in (*GRID_KEYS, "seed")}
+    return ctx.tracker.register_model(f"deberta-{ctx.preset}-{task.name}", "model", alias="champion", tags={
+        "pretrain": ctx.lineage.get("pretrain", ""), "corpus": ctx.lineage.get("corpus", ""),
+        "vocab": ctx.lineage.get("vocab", ""), "task": task.id, "task_name": task.name, "sweep": ctx.artifact_id,
+        "trial_id": champion["trial_id"], "trial_config": json.dumps(trial_cfg, sort_keys=True),
+        metric: f"{champion[metric]:.6f}", "majority_baseline": f"{baseline:.6f}"})

@@ -1,0 +1,157 @@
+"""The sweep: Table 9's grid under Ray Tune, each trial mirrored as a nested MLflow run, and the champion picked.
+
+Every combination of task-layer dropout x warmup steps x learning rate x batch size x seed is one Tune trial
+(`tune.grid_search`), optionally cut short by ASHA on the dev metric. The driver hands the token arrays and the
+backbone weights to every trial through the object store (`tune.with_parameters`), so trials need no shared
+filesystem. Selection: the grid point with the best dev metric (mean over seeds), then its best seed's best epoch.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from pipeline.config import FinetuneConfig
+from stages.finetune.data import Encoded
+
+if TYPE_CHECKING:
+    import torch
+
+    from stages.finetune.trial import TrialSetup
+
+GRID_KEYS = ("dropout", "warmup_steps", "lr", "batch_size")
+"""FinetuneConfig fields that form the Table 9 grid (plus `seeds`, searched as "seed")."""
+
+
+def param_space(cfg: FinetuneConfig) -> dict[str, Any]:
+    """Tune's search space: a grid over every combination of the Table 9 values and the seeds."""
+    from ray import tune
+
+    space = {k: tune.grid_search(list(getattr(cfg, k))) for k in GRID_KEYS}
+    space["seed"] = tune.grid_search(list(cfg.seeds))
+    return space
+
+
+def grid_size(cfg: FinetuneConfig) -> int:
+    return math.prod(len(getattr(cfg, k)) for k in (*GRID_KEYS, "seeds"))
+
+
+def _trial_runs_callback(parent, metric: str):
+    """A Tune callback mirroring each trial as a nested MLflow run of the stage's run.
+
+    Written here rather than Ray's MLflowLoggerCallback, which cannot nest under a run it did not start and
+    would import mlflow outside pipeline/lineage.py.
+    """
+    from ray import tune
+
+    class TrialRuns(tune.Callback):
+        def __init__(self):
+            self.runs: dict[str, Any] = {}
+
+        def on_trial_start(self, iteration, trials, trial, **info):
+            run = parent.child(f"trial-{trial.trial_id}", {"tune.trial_id": trial.trial_id,
+                                                           "tune.trial_name": str(trial)})
+            run.log_params(dict(trial.config))
+            self.runs[trial.trial_id] = run
+
+        def on_trial_result(self, iteration, trials, trial, result, **info):
+            keys = [k for k in result if k.startswith("dev_") or k in ("train_loss", "sift_loss", "lr")]
+            self.runs[trial.trial_id].log_metrics({k: result[k] for k in keys}, step=int(result["epoch"]))
+
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            run = self.runs.pop(trial.trial_id, None)
+            if run is not None:
+                last = trial.last_result or {}
+                run.set_tags({"tune.epochs": last.get("epoch", 0), "tune.metric": metric})
+                run.end("FINISHED")
+
+        def on_trial_error(self, iteration, trials, trial, **info):
+            run = self.runs.pop(trial.trial_id, None)
+            if run is not None:
+                run.end("FAILED")
+
+    return TrialRuns()
+
+
+def run_sweep(cfg: FinetuneConfig, setup: "TrialSetup", data: tuple[Encoded, Encoded],
+              weights: dict[str, "torch.Tensor"], storage_path: str, name: str, callbacks: list | None = None):
+    """Run the grid under Tune; returns the ResultGrid (every trial, its history and its best checkpoint)."""
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    from stages.finetune.trial import deepspeed_trial, torch_trial
+
+    metric = f"dev_{setup.metric}"
+    if cfg.trainer == "deepspeed":
+        import ray
+
+        # refs inside the parameter: the trial passes them on to its workers, which fetch them themselves
+        payload = {"data": ray.put(data), "weights": ray.put(weights)}
+        trainable = tune.with_parameters(deepspeed_trial, payload=payload, setup=setup,
+                                         storage_path=str(Path(storage_path) / f"{name}-train"))
+        # The trial function only waits on its Ray Train run, which reserves the workers itself. Tune refuses an
+        # empty request, so the trial asks for one byte of memory: nothing a worker needs (a CPU would be).
+        resources = {"cpu": 0, "memory": 1}
+    else:
+        trainable = tune.with_parameters(torch_trial, data=data, weights=weights, setup=setup)
+        resources = {"cpu": cfg.cpus_per_trial, "gpu": 1 if cfg.use_gpu else 0}
+    scheduler = None
+    if cfg.scheduler == "asha":  # grace 1 epoch, halve at each rung; time unit = epochs (one report each)
+        scheduler = ASHAScheduler(time_attr="training_iteration", max_t=cfg.epochs, grace_period=1,
+                                  reduction_factor=2)
+    tuner = tune.Tuner(
+        tune.with_resources(trainable, resources),
+        param_space=param_space(cfg),
+        tune_config=tune.TuneConfig(metric=metric, mode="max", scheduler=scheduler,
+                                    max_concurrent_trials=cfg.max_concurrent_trials),
+        run_config=tune.RunConfig(
+            storage_path=storage_path, name=name, callbacks=callbacks or [], verbose=1,
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=1, checkpoint_score_attribute=metric,
+                                                    checkpoint_score_order="max"),
+            failure_config=tune.FailureConfig(max_failures=0)),
+    )
+    print(f"[finetune] Tune experiment {storage_path}/{name} (live: Ray dashboard, or "
+          f"tensorboard --logdir {storage_path}/{name})", flush=True)
+    grid = tuner.fit()
+    errors = [r.error for r in grid if r.error is not None]
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {len(grid)} trials failed; first error: {errors[0]}")
+    return grid
+
+
+def results_table(grid, metric: str):
+    """One row per trial: its grid point, epochs run, best epoch and the dev metrics there."""
+    import pandas as pd
+
+    rows = []
+    for r in grid:
+        hist = r.metrics_dataframe
+        best = hist.loc[hist[metric].idxmax()]
+        row = {k: r.config[k] for k in (*GRID_KEYS, "seed")}
+        row.update(trial_id=r.metrics["trial_id"], epochs=int(hist["epoch"].max()), best_epoch=int(best["epoch"]),
+                   final_train_loss=float(hist["train_loss"].iloc[-1]), trial_path=r.path)
+        row.update({c: float(best[c]) for c in hist.columns if c.startswith("dev_")})
+        rows.append(row)
+    return pd.DataFrame(rows).sort_values(list(GRID_KEYS) + ["seed"]).reset_index(drop=True)
+
+
+def best_checkpoint(result, metric: str):
+    """The trial's checkpoint from its best epoch: Tune's own (trainer=torch), or the Ray Train checkpoint whose
+    path `TuneReportCallback` put in that epoch's result (trainer=deepspeed)."""
+    from ray import tune
+
+    hist = result.metrics_dataframe
+    if "checkpoint_path" in hist.columns:
+        return tune.Checkpoint(hist.loc[hist[metric].idxmax(), "checkpoint_path"])
+    return result.get_best_checkpoint(metric, "max")
+
+
+def pick_champion(table, metric: str) -> dict[str, Any]:
+    """Best grid point by the seed-mean of the dev metric, then its best seed (ties: first in grid order)."""
+    means = table.groupby(list(GRID_KEYS), sort=False)[metric].mean()
+    point = dict(zip(GRID_KEYS, means.idxmax()))
+    runs = table[np.logical_and.reduce([table[k] == v for k, v in point.items()])]
+    return dict(runs.loc[runs[metric].idxmax()]) | {"seed_mean": float(means.max())}

@@ -1,0 +1,247 @@
+"""One fine-tuning trial: a grid point trained for `epochs`, reporting dev metrics once per epoch.
+
+One loop (`run_epochs`) runs on an engine of `cluster.engine`, whichever trainer the config names:
+
+  torch      the trial is one process (`torch_trial`): plain torch on `cpus_per_trial` threads or one GPU.
+  deepspeed  the trial is a Ray Train run of `workers_per_trial` DeepSpeed workers (`deepspeed_trial` starts a
+             `TorchTrainer` of `deepspeed_worker`s; Ray Train V2's Tune integration: Tune reserves one byte of
+             memory for the trial itself, the Train run reserves its workers, `TuneReportCallback` forwards rank
+             0's results). Each step's batch is split evenly over the workers; ZeRO shards the optimizer state
+             (stage 1-2) and the weights (stage 3); the dev set is split over the workers and the predictions
+             gathered; an improving epoch's weights are gathered with `save_16bit_model`.
+
+Recipe (Table 9): AdamW (epsilon, betas, weight decay), linear warmup then linear decay to zero at `epochs`
+(`cluster.engine`'s schedule), gradient clipping, SiFT when enabled; a checkpoint whenever the dev metric improves.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from cluster.engine import Engine, OptimSpec, build
+from deberta import checkpoint
+from deberta.config import DebertaConfig
+from deberta.model import DebertaForSequenceClassification
+from deberta.sift import sift_loss
+from pipeline.config import FinetuneConfig
+from stages.base import StageInputError
+from stages.finetune.data import Encoded
+from stages.finetune.tasks import CLASSIFICATION, compute_metrics
+
+EVAL_BATCH = 128
+
+
+@dataclass(frozen=True)
+class TrialSetup:
+    """Everything a trial needs besides its grid point (picklable, shipped once through the object store)."""
+
+    model: DebertaConfig
+    num_labels: int
+    kind: str
+    metric: str
+    ft: FinetuneConfig
+
+
+def load_backbone(model: DebertaForSequenceClassification, weights: dict[str, torch.Tensor]) -> None:
+    """Copy the backbone; only the pooler and classifier stay freshly initialised."""
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    bad = [k for k in missing if k.startswith(checkpoint.BACKBONE_PREFIX)] + list(unexpected)
+    if bad:
+        raise StageInputError(f"pretrained weights do not fit the model: {len(bad)} tensors differ, e.g. {bad[:3]}")
+
+
+def build_classifier(setup: TrialSetup, config: dict[str, Any],
+                     weights: dict[str, torch.Tensor]) -> DebertaForSequenceClassification:
+    """The trial's model: pretrained backbone, fresh pooler and classifier drawn from the trial's seed."""
+    torch.manual_seed(config["seed"])
+    model = DebertaForSequenceClassification(setup.model, setup.num_labels, classifier_dropout=config["dropout"],
+                                             sift=setup.ft.sift)
+    load_backbone(model, weights)
+    return model
+
+
+def epoch_batches(n: int, batch_size: int, rng: np.random.Generator, world: int = 1) -> list[np.ndarray]:
+    """One epoch's batches of example indices in a fresh random order; a last batch too small to give every
+    worker an example is dropped (with one worker, none is)."""
+    order = rng.permutation(n)
+    batches = [order[i:i + batch_size] for i in range(0, n, batch_size)]
+    if batches and len(batches[-1]) < world:
+        batches.pop()
+    return batches
+
+
+def steps_per_epoch(n: int, batch_size: int, world: int = 1) -> int:
+    """len(epoch_batches(n, batch_size, rng, world)) without drawing an order."""
+    full, rest = divmod(n, batch_size)
+    return full + (1 if rest >= max(1, world) else 0)
+
+
+def optim_spec(ft: FinetuneConfig, config: dict[str, Any], n_train: int, world: int = 1) -> OptimSpec:
+    """The trial's AdamW and schedule: the grid point's lr and warmup, decay to zero after `epochs`."""
+    return OptimSpec(lr=config["lr"], warmup_steps=int(config["warmup_steps"]),
+                     total_steps=steps_per_epoch(n_train, int(config["batch_size"]), world) * ft.epochs,
+                     weight_decay=ft.weight_decay, betas=(ft.adam_beta1, ft.adam_beta2), eps=ft.adam_eps,
+                     grad_clip=ft.grad_clip)
+
+
+def _batch(data: Encoded, idx: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ids = data.ids[idx]  # [PAD] = 0 (fixed by the vocab stage)
+    width = max(1, int((ids != 0).sum(1).max()))  # trim the padding every row shares
+    ids = torch.from_numpy(ids[:, :width].astype(np.int64)).to(device)  # (B, T')
+    return ids, (ids != 0).long(), torch.from_numpy(data.label[idx]).to(device)
+
+
+@torch.no_grad()
+def evaluate(model, data: Encoded, kind: str, device, rank: int = 0, world: int = 1) -> dict[str, float]:
+    """Dev metrics. With `world` > 1 every worker predicts a contiguous share and the shares are gathered; all
+    workers run the same number of forward passes (ZeRO-3 gathers weights collectively in each one)."""
+    model.eval()
+    share = math.ceil(len(data) / world)
+    rows = np.arange(rank * share, min(len(data), (rank + 1) * share))
+    preds = []
+    for b in range(math.ceil(share / EVAL_BATCH)):
+        idx = rows[b * EVAL_BATCH:(b + 1) * EVAL_BATCH]
+        real = len(idx)
+        ids, mask, _ = _batch(data, idx if real else np.zeros(1, dtype=np.int64), device)  # a pad pass, dropped
+        logits = model(ids, mask)["logits"].float()  # (B, num_labels)
+        preds.append((logits.argmax(-1) if kind == CLASSIFICATION else logits[:, 0]).cpu().numpy()[:real])
+    mine = np.concatenate(preds) if preds else np.zeros(0, dtype=np.float32)
+    if world > 1:
+        shares: list[Any] = [None] * world
+        torch.distributed.all_gather_object(shares, mine)
+        mine = np.concatenate(shares)
+    return compute_metrics(kind, mine, data.label)
+
+
+def train_step(model, batch, sift_lambda: float | None) -> tuple[torch.Tensor, float]:
+    """Task loss (+ the SiFT term, lambda included, when `sift_lambda`); returns (loss, SiFT term).
+
+    `model` is the classifier or the engine around it (which forwards attribute access to it)."""
+    ids, mask, labels = batch
+    out = model(ids, mask, labels=labels)
+    if sift_lambda is None:
+        return out["loss"], 0.0
+    adv = sift_loss(model, ids, mask, out["logits"], model.regression, lam=sift_lambda)
+    return out["loss"] + adv, float(adv.detach())
+
+
+Report = Callable[[dict[str, Any], "Engine | None"], None]
+"""report(epoch result, engine to checkpoint or None): Tune's or Ray Train's, per trainer."""
+
+
+def run_epochs(engine: Engine, data: tuple[Encoded, Encoded], setup: TrialSetup, config: dict[str, Any],
+               report: Report, rank: int = 0, world: int = 1) -> None:
+    """The fine-tuning loop of both trainers: every batch split rank::world, dev metrics per epoch, the engine
+    handed to `report` for a checkpoint whenever the dev metric improves."""
+    ft, (train, dev) = setup.ft, data
+    bs, device = int(config["batch_size"]), engine.device
+    rng = np.random.default_rng(config["seed"])  # the same order on every worker; each takes rows rank::world
+    best = -math.inf
+    for epoch in range(1, ft.epochs + 1):
+        engine.train()
+        started, losses, sifts = time.time(), [], []
+        for idx in epoch_batches(len(train), bs, rng, world):
+            loss, adv = train_step(engine, _batch(train, idx[rank::world], device), ft.sift_lambda if ft.sift else None)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+            sifts.append(adv)
+        train_loss, sift_term = float(np.mean(losses)), float(np.mean(sifts))
+        if world > 1:
+            means = torch.tensor([train_loss, sift_term], dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(means)  # sum over workers
+            train_loss, sift_term = (means / world).tolist()
+        dev_metrics = evaluate(engine, dev, setup.kind, device, rank, world)
+        result = {"epoch": epoch, "train_loss": train_loss, "sift_loss": sift_term, "lr": engine.lr,
+                  "epoch_seconds": time.time() - started, "world_size": world,
+                  **{f"dev_{k}": v for k, v in dev_metrics.items()}}
+        improved = dev_metrics[setup.metric] > best
+        best = max(best, dev_metrics[setup.metric])
+        report(result, engine if improved else None)
+
+
+def torch_trial(config: dict[str, Any], *, data: tuple[Encoded, Encoded], weights: dict[str, torch.Tensor],
+                setup: TrialSetup) -> None:
+    """Tune function trainable (trainer=torch): fine-tune one grid point in this process."""
+    from ray import tune
+
+    ft = setup.ft
+    torch.set_num_threads(ft.cpus_per_trial)
+    device = "cuda" if ft.use_gpu and torch.cuda.is_available() else "cpu"
+    engine = build(lambda: build_classifier(setup, config, weights), optim_spec(ft, config, len(data[0])),
+                   device=device)
+
+    def report(result: dict[str, Any], best: Engine | None) -> None:
+        if best is None:
+            tune.report(result)
+            return
+        with tempfile.TemporaryDirectory() as tmp:  # Tune keeps only the best (num_to_keep=1)
+            best.save_weights(tmp)
+            tune.report(result, checkpoint=tune.Checkpoint.from_directory(tmp))
+
+    run_epochs(engine, data, setup, config, report)
+
+
+def deepspeed_worker(loop_config: dict[str, Any]) -> None:
+    """Ray Train worker loop (trainer=deepspeed): one data-parallel share of one grid point."""
+    import ray
+    import ray.train
+
+    from cluster.deepspeed_config import build_finetune_config
+
+    config, setup, payload = loop_config["grid"], loop_config["setup"], loop_config["payload"]
+    ft = setup.ft
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(ft.cpus_per_trial)
+    if ft.use_gpu:
+        import ray.train.torch
+
+        torch.cuda.set_device(ray.train.torch.get_device())  # the GPU Ray assigned to this worker
+    data = ray.get(payload["data"])
+    weights = ray.get(payload["weights"])
+    bs = int(config["batch_size"])
+    engine = build(lambda: build_classifier(setup, config, weights), optim_spec(ft, config, len(data[0]), world),
+                   ds_config=build_finetune_config(ft.grad_clip, ft.zero_stage, ft.use_gpu, bs, world),
+                   backend="nccl" if ft.use_gpu else "gloo")
+    if rank:  # the other workers draw their own dropout masks (rank 0 continues as a torch trial would)
+        torch.manual_seed(config["seed"] * 1_009 + rank)
+
+    def report(result: dict[str, Any], best: Engine | None) -> None:
+        if best is None:
+            ray.train.report(result)
+            return
+        with tempfile.TemporaryDirectory() as tmp:
+            best.save_weights(tmp)  # collective under ZeRO-3; rank 0 writes the full model
+            ray.train.report(result, checkpoint=ray.train.Checkpoint.from_directory(tmp) if rank == 0 else None)
+
+    run_epochs(engine, data, setup, config, report, rank, world)
+
+
+def deepspeed_trial(config: dict[str, Any], *, payload: dict[str, Any], setup: TrialSetup, storage_path: str) -> None:
+    """Tune function trainable (trainer=deepspeed): run the grid point as a Ray Train job of DeepSpeed workers."""
+    from ray import train, tune
+    from ray.train.torch import TorchTrainer
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    ft, metric, ctx = setup.ft, f"dev_{setup.metric}", tune.get_context()
+    trainer = TorchTrainer(
+        deepspeed_worker,
+        train_loop_config={"grid": dict(config), "setup": setup, "payload": payload},
+        scaling_config=train.ScalingConfig(num_workers=ft.workers_per_trial, use_gpu=ft.use_gpu,
+                                           resources_per_worker={"CPU": ft.cpus_per_trial}),
+        run_config=train.RunConfig(
+            name=f"{ctx.get_experiment_name()}-{ctx.get_trial_id()}", storage_path=storage_path,
+            callbacks=[TuneReportCallback()],
+            checkpoint_config=train.CheckpointConfig(num_to_keep=1, checkpoint_score_attribute=metric,
+                                                     checkpoint_score_order="max"),
+            failure_config=train.FailureConfig(max_failures=0)),
+    )
+    trainer.fit()
