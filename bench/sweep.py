@@ -59,7 +59,7 @@ def pretrained_dir(args) -> Path:
     import shutil
 
     from pipeline.datasets import materialize_corpus
-    from stages.tasks import resolve_task
+    from stages.finetune.tasks import resolve_task
     from tests.integration.test_finetune import build_tiny_pretrained  # the tests' tiny real checkpoint
 
     shutil.rmtree(args.workdir / "tiny", ignore_errors=True)
@@ -72,21 +72,23 @@ def pretrained_dir(args) -> Path:
 def one_sweep(args, scheduler: str, setup, data, weights) -> dict:
     import dataclasses
 
-    from stages import finetune
+    from stages.finetune import data as ft_data
+    from stages.finetune import sweep as ft_sweep
+    from stages.finetune.trial import TrialSetup
 
     cfg = dataclasses.replace(setup.ft, scheduler=scheduler)
     setup = dataclasses.replace(setup, ft=cfg)
     metric = f"dev_{setup.metric}"
     started = time.time()
-    grid = finetune.run_sweep(cfg, setup, data, weights, str(args.workdir / "ray_results"),
+    grid = ft_sweep.run_sweep(cfg, setup, data, weights, str(args.workdir / "ray_results"),
                               f"bench-{scheduler}-{int(started)}")
     wall = time.time() - started
-    table = finetune.results_table(grid, metric)
-    champ = finetune.pick_champion(table, metric)
+    table = ft_sweep.results_table(grid, metric)
+    champ = ft_sweep.pick_champion(table, metric)
     return {"scheduler": scheduler, "trials": len(table), "trial_epochs": int(table["epochs"].sum()),
             "wall_s": round(wall, 1), "best_metric": round(float(champ[metric]), 4),
-            "best_config": {k: float(champ[k]) for k in (*finetune.GRID_KEYS, "seed")},
-            "per_trial": {_key({k: row[k] for k in (*finetune.GRID_KEYS, "seed")}):
+            "best_config": {k: float(champ[k]) for k in (*ft_sweep.GRID_KEYS, "seed")},
+            "per_trial": {_key({k: row[k] for k in (*ft_sweep.GRID_KEYS, "seed")}):
                           {"epochs": int(row["epochs"]), metric: round(float(row[metric]), 4)}
                           for _, row in table.iterrows()}}
 
@@ -101,9 +103,11 @@ def main(argv=None) -> int:
 
     from deberta import checkpoint
     from pipeline.config import FinetuneConfig
-    from stages import finetune
-    from stages.tasks import majority_baseline, resolve_task
-    from stages.vocab import Tokenizer
+    from stages.finetune import data as ft_data
+    from stages.finetune import sweep as ft_sweep
+    from stages.finetune.trial import TrialSetup
+    from stages.finetune.tasks import majority_baseline, resolve_task
+    from pipeline.tokenizer import Tokenizer
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     pre = pretrained_dir(args)
@@ -113,9 +117,9 @@ def main(argv=None) -> int:
                          max_seq_len=args.max_seq_len, max_train_examples=args.max_train_examples,
                          max_concurrent_trials=args.concurrent, cpus_per_trial=1)
     model_cfg = checkpoint.load_config(pre / "model")
-    data = finetune.prepare_data(task, Tokenizer.load(pre / "tokenizer"), cfg)
-    setup = finetune.TrialSetup(model_cfg, task.num_labels, task.kind, task.metric, cfg)
-    weights = finetune.backbone_weights(pre / "model")
+    data = ft_data.prepare_data(task, Tokenizer.load(pre / "tokenizer"), cfg)
+    setup = TrialSetup(model_cfg, task.num_labels, task.kind, task.metric, cfg)
+    weights = ft_data.backbone_weights(pre / "model")
     if not ray.is_initialized():
         ray.init(num_cpus=args.num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False,
                  object_store_memory=1 << 30)
@@ -124,7 +128,7 @@ def main(argv=None) -> int:
     metric = f"dev_{task.metric}"
     report = {
         "task": task.name, "metric": metric, "majority_baseline": round(majority_baseline(task), 4),
-        "train_examples": len(data[0]), "dev_examples": len(data[1]), "grid_trials": finetune.grid_size(cfg),
+        "train_examples": len(data[0]), "dev_examples": len(data[1]), "grid_trials": ft_sweep.grid_size(cfg),
         "max_epochs": cfg.epochs, "concurrent_trials": cfg.max_concurrent_trials, "full": full, "asha": asha,
         "same_best_config": full["best_config"] == asha["best_config"],
         "asha_best_in_full_grid": full["per_trial"][_key(asha["best_config"])][metric],

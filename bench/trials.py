@@ -56,9 +56,11 @@ def main(argv=None) -> int:
 
     from deberta import checkpoint
     from pipeline.config import FinetuneConfig
-    from stages import finetune
-    from stages.tasks import resolve_task
-    from stages.vocab import Tokenizer
+    from stages.finetune import data as ft_data
+    from stages.finetune import sweep as ft_sweep
+    from stages.finetune.trial import TrialSetup
+    from stages.finetune.tasks import resolve_task
+    from pipeline.tokenizer import Tokenizer
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     pre = pretrained_dir(args)
@@ -67,17 +69,17 @@ def main(argv=None) -> int:
                           batch_size=(args.batch_size,), epochs=args.epochs, max_seq_len=args.max_seq_len,
                           max_train_examples=args.max_train_examples, max_concurrent_trials=1)
     model_cfg = checkpoint.load_config(pre / "model")
-    data = finetune.prepare_data(task, Tokenizer.load(pre / "tokenizer"), base)
-    weights = finetune.backbone_weights(pre / "model")
+    data = ft_data.prepare_data(task, Tokenizer.load(pre / "tokenizer"), base)
+    weights = ft_data.backbone_weights(pre / "model")
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False,
              object_store_memory=1 << 30)
     metric = f"dev_{task.metric}"
     rows = {}
     for name, layout in layouts(args.num_cpus).items():
         cfg = dataclasses.replace(base, **layout)
-        setup = finetune.TrialSetup(model_cfg, task.num_labels, task.kind, task.metric, cfg)
+        setup = TrialSetup(model_cfg, task.num_labels, task.kind, task.metric, cfg)
         started = time.time()
-        grid = finetune.run_sweep(cfg, setup, data, weights, str(args.workdir / "ray_results"),
+        grid = ft_sweep.run_sweep(cfg, setup, data, weights, str(args.workdir / "ray_results"),
                                   f"bench-trials-{name}-{int(started)}")
         wall = time.time() - started
         hist = grid[0].metrics_dataframe

@@ -256,9 +256,13 @@ class PretrainConfig(Section):
     """Steps between DeepSpeed checkpoints reported to Ray Train."""
     max_failures: int = 3
     """Worker failures Ray Train recovers from (restoring the latest checkpoint)."""
+    global_shuffle: bool = True
+    """Shuffle every train sequence globally before the split over workers (Ray Data `random_shuffle`, seeded),
+    as the reference samples from a permutation of all examples: without it a batch comes from a narrow window
+    of consecutive documents (one source at a time on a multi-source corpus)."""
     shuffle_buffer: int = 1_024
-    """Sequences in each worker's seeded local shuffle buffer (Ray Data); 0 = shard order. Packed sequences of
-    one document are adjacent on disk, so some shuffling keeps them out of the same batch."""
+    """Sequences in each worker's local shuffle buffer (Ray Data), seeded by (seed, epoch, rank), so that epochs
+    differ in order too; 0 = none."""
     placement_strategy: str = "PACK"
     """Ray placement of the training workers: "PACK" (fill a node's GPUs first) or "SPREAD" (one per node first)."""
     seed: int = 0

@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # the model library and the worker loop import torch: only in
     from deberta.config import DebertaConfig
     from stages.pretrain_loop import LoopJob, TrainState
 
-VERSION = "2"  # 2: the reference linear schedule (DeepSpeed's WarmupDecayLR was two steps late)
+VERSION = "2"  # 2: the reference linear schedule, span windows of 6n words, a global shuffle, a sampled validation set
 
 PLAN_GPUS_PER_NODE = 8
 PLAN_DEVICE = "H100"
@@ -110,7 +110,10 @@ def _trainer(cfg: PretrainConfig, job: "LoopJob", train_files: list[str], ctx: S
     from stages.pretrain_loop import train_loop_per_worker
 
     with quiet_data():
-        datasets = {"train": ray.data.read_parquet(train_files, columns=["input_ids"])}
+        train = ray.data.read_parquet(train_files, columns=["input_ids"])
+        if cfg.global_shuffle:  # seeded: every execution (epoch, restart) yields the same permutation
+            train = train.random_shuffle(seed=cfg.seed)
+        datasets = {"train": train}
     # preserve_order makes the equal split deterministic, which the saved data position relies on
     options = DataConfig.default_ingest_options()
     options.preserve_order = True

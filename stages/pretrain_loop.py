@@ -1,13 +1,13 @@
 """The per-worker pretraining loop (`train_loop_per_worker`), run by Ray Train on every worker.
 
-DeepSpeed is initialised here, inside the worker, on the process group Ray Train already set up
-(gloo on CPU, NCCL on GPU). Everything a worker needs arrives in one picklable `LoopJob`; no module
-global is read inside the loop.
+The engine (`cluster.engine`: DeepSpeed on the process group Ray Train already set up, gloo on CPU, NCCL
+on GPU) is built here, inside the worker. Everything a worker needs arrives in one picklable `LoopJob`; no
+module global is read inside the loop.
 
 Data position (what a checkpoint stores besides model, optimizer and scheduler): `(epoch,
 batch_in_epoch)` in micro-batches of this worker's shard. The shard order is deterministic (Ray Data
-`preserve_order`, equal split, local shuffle seeded by (seed, epoch, rank)), so on resume every worker
-re-opens epoch `epoch` and skips `batch_in_epoch` micro-batches (read and dropped, never computed; the
+`preserve_order`, a seeded global shuffle, equal split, local shuffle seeded by (seed, epoch, rank)), so on
+resume every worker re-opens epoch `epoch` and skips `batch_in_epoch` micro-batches (read and dropped, never computed; the
 cost is I/O proportional to the position within the epoch) - the next step sees exactly the batches it
 would have seen without the interruption. Span masks are a pure function of (seed, step, micro-batch,
 rank) and the dropout RNG is reseeded from (seed, step, rank) every step, so a resumed run repeats the
@@ -159,16 +159,22 @@ def all_reduce_sum(values: list[float], device) -> list[float]:
 
 
 def validation_batches(job: LoopJob, rank: int, world: int) -> list[torch.Tensor]:
-    """This worker's slice of the first eval_batches x micro x world validation sequences, read once.
+    """This worker's slice of a fixed sample of eval_batches x micro x world validation sequences, read once.
 
-    Plain pyarrow rather than Ray Data: a few thousand fixed rows, re-used at every evaluation, and every
-    rank must run the same number of forward passes (ZeRO-3 gathers parameters collectively).
+    The sample is drawn uniformly from the whole validation split (seeded by `seed`), not its first rows: the
+    shards hold documents in corpus order, so a head would measure one source. Plain pyarrow rather than Ray
+    Data: a few thousand fixed rows, re-used at every evaluation, and every rank must run the same number of
+    forward passes (ZeRO-3 gathers parameters collectively).
     """
+    import pyarrow as pa
     import pyarrow.dataset as pads
 
     micro = job.cfg.micro_batch_size
-    table = pads.dataset(list(job.val_files), format="parquet").head(job.cfg.eval_batches * micro * world,
-                                                                      columns=["input_ids"])
+    dataset = pads.dataset(list(job.val_files), format="parquet")
+    total = dataset.count_rows()
+    want = min(total, job.cfg.eval_batches * micro * world)
+    picked = np.sort(np.random.default_rng(job.cfg.seed).choice(total, size=want, replace=False))
+    table = dataset.take(pa.array(picked, type=pa.int64()), columns=["input_ids"])
     per_rank = len(table) // world // micro * micro
     if per_rank == 0:
         raise RuntimeError(f"the validation split has {len(table)} sequences, fewer than micro_batch_size x workers "

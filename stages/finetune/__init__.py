@@ -26,7 +26,7 @@ from stages.finetune.sweep import (GRID_KEYS, _trial_runs_callback, best_checkpo
                                    results_table, run_sweep)
 from stages.finetune.tasks import TaskRef, majority_baseline
 
-VERSION = "2"  # 2: the reference linear schedule (lr 0 at the first step)
+VERSION = "2"  # 2: the reference linear schedule (lr 0 at the first step), SiFT as microsoft/DeBERTa
 
 
 def dry_run(cfg: FinetuneConfig, model: ModelConfig) -> str:

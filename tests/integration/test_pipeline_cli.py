@@ -31,12 +31,20 @@ def small_corpus(news_subset) -> Path:
     return news_subset(300)
 
 
+# Runs the entry point in this process and reports which heavy packages it loaded: the pipeline's core and
+# the data stages (corpus, vocab, tokenize) must not import torch or the model library.
+PROBE = ("import sys; from pipeline.run import main; rc = main(sys.argv[1:]); "
+         "print('LOADED', sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'deberta', 'deepspeed'})); "
+         "sys.exit(rc)")
+
+
 @pytest.fixture(scope="module")
 def two_runs(small_corpus, mlflow_server, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("wd")
     env = {"MLFLOW_TRACKING_URI": mlflow_server}
     args = ["--corpus", str(small_corpus), "--workdir", str(workdir), *SMALL]
-    first = pipeline(args, env)
+    first = subprocess.run([sys.executable, "-c", PROBE, *args], cwd=REPO, env=dict(os.environ, **env),
+                           capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     second = pipeline(args, env)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
@@ -80,6 +88,46 @@ def test_lineage_runs_and_tags(two_runs, mlflow_server):
     assert all(r.info.status == "FINISHED" for r in children)
 
 
+def test_core_and_data_stages_never_import_torch(two_runs):
+    _, first, _ = two_runs
+    assert "running -> " in first.stdout and "LOADED []" in first.stdout, first.stdout[-2000:]
+
+
+def plan_of(args: list[str]) -> dict[str, tuple[str, str]]:
+    """stage -> (artifact id, state) from `--dry-run`."""
+    res = pipeline([*args, "--dry-run"], timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = re.findall(r"^  (\w+)\s+([0-9a-f]{16})  (.+)$", res.stdout, re.M)
+    return {stage: (art, state) for stage, art, state in rows}
+
+
+def test_cache_key_what_and_how(two_runs, small_corpus, tmp_path):
+    """A *how* field keeps the artifact, a *what* field or an in-place edit of a corpus file re-runs."""
+    workdir, _, _ = two_runs
+    base = ["--corpus", str(small_corpus), "--workdir", str(workdir), *SMALL]
+    assert {s for s, (_, state) in plan_of(base).items()} == {"corpus", "vocab", "tokenize"}
+    assert all(state == "cached (skip)" for _, state in plan_of(base).values())
+    how = plan_of([*base, "--set", "tokenize.num_workers=1"])
+    assert all(state == "cached (skip)" for _, state in how.values()), how
+    what = plan_of([*base, "--set", "tokenize.batch_size=32"])
+    assert what["vocab"][1] == "cached (skip)" and what["tokenize"][1] == "run", what
+    # A typo fixed in place: same size, new content -> the corpus and everything after it run again.
+    edited = tmp_path / "corpus.jsonl"
+    text = small_corpus.read_text()
+    edited.write_text(text)
+    before = plan_of(["--corpus", str(edited), "--workdir", str(workdir), *SMALL])
+    edited.write_text(text.replace("the", "teh", 1))
+    after = plan_of(["--corpus", str(edited), "--workdir", str(workdir), *SMALL])
+    assert edited.stat().st_size == len(text.encode())
+    assert after["corpus"][0] != before["corpus"][0] and after["corpus"][1] == "run"
+
+
+def test_builtin_corpus_id_does_not_depend_on_the_workdir(tmp_path):
+    one = plan_of(["--workdir", str(tmp_path / "a"), "--until", "corpus"])
+    two = plan_of(["--workdir", str(tmp_path / "b" / "deeper"), "--until", "corpus"])
+    assert one["corpus"][0] == two["corpus"][0]
+
+
 def test_second_invocation_is_a_no_op(two_runs, mlflow_server):
     workdir, first, second = two_runs
     assert "cached" in second.stdout and "running ->" not in second.stdout
@@ -96,10 +144,15 @@ def test_second_invocation_is_a_no_op(two_runs, mlflow_server):
     (["--set", "pretrain.bogus=1"], "unknown key 'bogus' in [pretrain]"),
     (["--corpus", "/nonexistent/corpus/*.txt"], "/nonexistent/corpus"),
     (["--workdir", "/proc/not-writable"], "is not writable"),
+    # bounds the stages enforce, refused before the first stage
+    (["--set", "tokenize.max_seq_len=2"], "tokenize.max_seq_len=2: needs room for [CLS]"),
+    (["--set", "finetune.max_seq_len=4096"], "finetune.max_seq_len=4096 exceeds model.max_position_embeddings"),
+    (["--set", "vocab.sample_documents=0"], "vocab.sample_documents=0: must be >= 1"),
+    (["--set", "pretrain.placement_strategy=ANY"], "pretrain.placement_strategy='ANY'"),
 ])
 def test_bad_input_one_clear_message(args, fragment, tmp_path):
     workdir = ["--workdir", str(tmp_path / "wd")] if "--workdir" not in args else []
-    res = pipeline([*args, *workdir, "--dry-run"], timeout=120)
+    res = pipeline([*args, *workdir], timeout=120)  # a real run, not --dry-run: it must stop before any stage
     assert res.returncode == 2
     lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and fragment in lines[0], res.stderr

@@ -170,12 +170,13 @@ def drive(spec_path: str) -> None:
     outcomes = []
     for job in spec["jobs"]:
         module = importlib.import_module(job["module"])
+        name = job["module"].rsplit(".", 1)[-1]  # stages.<stage>
         store = ArtifactStore(job["workdir"])
-        ctx = StageContext(artifact_id=job["id"], workdir=job["workdir"], scratch=store.scratch(module.NAME, job["id"]),
+        ctx = StageContext(artifact_id=job["id"], workdir=job["workdir"], scratch=store.scratch(name, job["id"]),
                            storage_path=str(job["workdir"] / "ray_results"), tracker=job["tracker"],
-                           lineage=job.get("lineage", {}), preset="debug")
+                           lineage=job.get("lineage", {}), preset="debug", stage=name)
         try:
-            with store.building(module.NAME, job["id"], {"stage": module.NAME}) as out:
+            with store.building(name, job["id"], {"stage": name}) as out:
                 result = module.run(job["cfg"], **job.get("extra", {}), inputs=job["inputs"], out=out, ctx=ctx)
             outcomes.append(("ok", result))
         except Exception as e:  # noqa: BLE001  (reported to the test as text)
@@ -262,7 +263,7 @@ def tokens(ray_cluster_2_nodes, corpus, workdir, lineage, tmp_path_factory) -> d
 
 @pytest.fixture(scope="module")
 def model_cfg(tokens):
-    from stages.vocab import Tokenizer
+    from pipeline.tokenizer import Tokenizer
 
     tok = Tokenizer.load(tokens["vocab"].path)
     return model_presets.debug(vocab_size=model_presets.padded_vocab_size(len(tok)), max_position_embeddings=SEQ_LEN)

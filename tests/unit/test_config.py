@@ -36,6 +36,7 @@ def test_table9_grids_exact():
     assert GRID_LARGE["lr"] == (5e-6, 8e-6, 9e-6, 1e-5) and GRID_LARGE["batch_size"] == (16, 32, 48, 64)
     assert GRID_BASE["lr"] == (1.5e-5, 2e-5, 3e-5, 4e-5) and GRID_BASE["dropout"] == (0, 0.1, 0.15)
     assert GRID_1_5B["dropout"] == (0, 0.15, 0.3)
+    assert cfg.seeds == (0, 1, 2, 3, 4)  # A.10: the mean over 5 seeds
 
 
 def test_override_types():
