@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -48,11 +48,12 @@ def linear_warmup_decay(warmup: int, total: int) -> Callable[[int], float]:
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Two AdamW groups: decayed matrices, and biases + LayerNorm weights (ndim < 2) without decay."""
+    """Two AdamW groups: decayed matrices, and biases + LayerNorm weights (ndim < 2) without decay.
+    Under ZeRO-3 a parameter is a flat shard: its true shape is `ds_shape`."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
-            (no_decay if p.ndim < 2 else decay).append(p)
+            (no_decay if len(getattr(p, "ds_shape", p.shape)) < 2 else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -159,22 +160,58 @@ class Engine:
             torch.save({k: v.detach().cpu() for k, v in self.model.state_dict().items()}, Path(directory) / filename)
 
 
+def _load(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+    """Copy `weights` (a subset of the model's state dict, e.g. a pretrained backbone) into the model."""
+    missing, unexpected = model.load_state_dict(dict(weights), strict=False)
+    if unexpected:
+        raise ValueError(f"weights do not fit the model: {len(unexpected)} unknown tensors, e.g. {unexpected[:3]}")
+
+
+def _init_zero3(model: nn.Module, init_module: Callable[[nn.Module], None] | None,
+                weights: Mapping[str, torch.Tensor] | None) -> None:
+    """Under `zero.Init` the constructor ran on empty shards: initialise (and load) module by module, each one's
+    parameters gathered on rank 0 and re-partitioned, so memory peaks at the largest module."""
+    import deepspeed
+
+    known = set()
+    for prefix, module in model.named_modules():
+        own = list(module.named_parameters(recurse=False))
+        names = {f"{prefix}.{n}" if prefix else n: t for n, t in [*own, *module.named_buffers(recurse=False)]}
+        known |= set(names)
+        if not own:
+            continue
+        with deepspeed.zero.GatheredParameters([t for _, t in own], modifier_rank=0):
+            if init_module is not None:
+                init_module(module)
+            for key, tensor in names.items():
+                if weights is not None and key in weights:
+                    with torch.no_grad():
+                        tensor.copy_(weights[key])
+    unexpected = sorted(set(weights or {}) - known)
+    if unexpected:
+        raise ValueError(f"weights do not fit the model: {len(unexpected)} unknown tensors, e.g. {unexpected[:3]}")
+
+
 def build(make_model: Callable[[], nn.Module], spec: OptimSpec, *, ds_config: dict[str, Any] | None = None,
           backend: str = "gloo", device: torch.device | str = "cpu", seed: int | None = None,
-          init_module: Callable[[nn.Module], None] | None = None) -> Engine:
-    """Build the model (seeded, so every rank starts from the same weights) and its engine.
+          init_module: Callable[[nn.Module], None] | None = None,
+          weights: Mapping[str, torch.Tensor] | None = None) -> Engine:
+    """Build the model (seeded, so every rank starts from the same weights), load `weights` into it (e.g. the
+    pretrained backbone of a fine-tuning trial), and wrap it in its engine.
 
     `ds_config` None: a plain torch engine on `device`. Otherwise DeepSpeed on the process group `backend`
     (nccl/gloo) describes; under ZeRO-3 the model is built inside `deepspeed.zero.Init`, so each rank only ever
-    holds its shard of the weights (a 1.5B model is never materialised whole on every rank). The model's own
-    initialisation ran on empty shards there, so `init_module` (the model library's per-module init) is applied
-    again module by module, each gathered on rank 0 and re-partitioned: memory peaks at the largest module.
+    holds its shard of the weights (a 1.5B model is never materialised whole on every rank), and `init_module`
+    (the model library's per-module init) runs again on the gathered modules (`_init_zero3`).
     """
     if seed is not None:
         torch.manual_seed(seed)
     fused = torch.device(device).type == "cuda" or backend == "nccl"
     if ds_config is None:
-        model = make_model().to(device)
+        model = make_model()
+        if weights is not None:
+            _load(model, weights)
+        model = model.to(device)
         optimizer, scheduler = make_optimizer(model, spec, fused=fused)
         return Engine(model, optimizer, scheduler, spec)
     import deepspeed
@@ -183,12 +220,10 @@ def build(make_model: Callable[[], nn.Module], spec: OptimSpec, *, ds_config: di
     zero3 = ds_config.get("zero_optimization", {}).get("stage", 0) == 3
     with deepspeed.zero.Init(config_dict_or_path=ds_config) if zero3 else contextlib.nullcontext():
         model = make_model()
-    if zero3 and init_module is not None:
-        for module in model.modules():
-            own = list(module.parameters(recurse=False))
-            if own:
-                with deepspeed.zero.GatheredParameters(own, modifier_rank=0):
-                    init_module(module)
+    if zero3:
+        _init_zero3(model, init_module, weights)
+    elif weights is not None:
+        _load(model, weights)
     optimizer, scheduler = make_optimizer(model, spec, fused=fused)
     ds_engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer,
                                                               lr_scheduler=scheduler, config=ds_config)

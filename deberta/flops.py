@@ -15,6 +15,17 @@ reachable at length T (min(2s, 2T-1); 2s = 512 rows for the 1.5B, 1024 for base/
 The conv beside layer 1 adds 2·k·H². The MLM ("mlm") runs layers 1..L-1 on every token and the
 Enhanced Mask Decoder (last layer twice, queries at the targets only: fraction f of tokens, keys and
 p2c once) plus the LM head (2·H² + 2·H·V) at the targets only.
+An RTD step (`deberta.rtd`, DeBERTaV3) runs that MLM on the generator's configuration, then the
+discriminator's L full layers and its RTD head (dense 2·H² + classifier 2·H) at every token; the
+draws from the generator's softmax and the GDES embedding sum are elementwise and not counted.
+
+ALBERT's options (seed 004): a factorised embedding (E != H) adds the E -> H projection, 2·E·H at every
+token, and its LM head maps H -> E before the V x E decoder: 2·H·E + 2·E·V per target (2·H² + 2·H·V when
+E = H). Shared layers (`share_layers`) run at every depth as before: the same FLOPs, fewer parameters.
+The sentence-order head (`sop`) works once per *sequence*, so per token it is divided by T: in the MLM the
+last layer runs once more for the [CLS] query (Q, O, FFN, scores, A·V and c2p as one EMD query:
+4·H² + 4·H·I + 4·T·H + 2·R·H, plus p2c as T dot products, 2·T·H; K and V are the EMD's), then the pooler
+2·H² and the classifier 4·H; in RTD the discriminator's backbone has the [CLS] state: pooler + classifier.
 """
 
 from __future__ import annotations
@@ -59,35 +70,73 @@ def _emd_flops_per_token(cfg: DebertaConfig, seq_len: int, target_fraction: floa
     return keys_once + 2 * target_fraction * per_query_pass
 
 
+def _sop_flops_per_token(cfg: DebertaConfig, seq_len: int, cls_query: bool) -> float:
+    """The SOP head once per sequence, spread over its tokens; cls_query: the MLM's extra [CLS] pass of the
+    last layer (the EMD never computes that state; the RTD discriminator's backbone already has it)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    head = 2.0 * h * h + 2.0 * 2 * h  # pooler dense + 2-way classifier
+    query = 4.0 * h * h + 4.0 * h * i + 4.0 * seq_len * h + 2.0 * reachable_rows(cfg, seq_len) * h + 2.0 * seq_len * h
+    return (head + (query if cls_query else 0.0)) / seq_len
+
+
 def forward_flops_per_token(
-    cfg: DebertaConfig, seq_len: int, task: str = "mlm", target_fraction: float = 0.15
+    cfg: DebertaConfig, seq_len: int, task: str = "mlm", target_fraction: float = 0.15, sop: bool = False
 ) -> float:
     """Forward FLOPs per input token.
 
     task: "backbone" (`DebertaModel`: L full layers), "mlm" (`DebertaForMaskedLM`: L-1 full layers,
     EMD and LM head at `target_fraction` of tokens) or "mlm_full_head" (HF `DebertaV2ForMaskedLM`:
     L full layers, no EMD, LM head at every token; for comparisons only).
+    sop: the MLM carries ALBERT's sentence-order head (`DebertaForMaskedLM(cfg, sop=True)`; task "mlm" only).
     """
-    h = cfg.hidden_size
+    h, e = cfg.hidden_size, cfg.embedding_dim
     conv = 2.0 * cfg.conv_kernel_size * h * h
-    head = 2.0 * h * h + 2.0 * h * cfg.vocab_size
+    embed_proj = 2.0 * e * h if cfg.factorised_embedding else 0.0
+    head = 2.0 * h * e + 2.0 * e * cfg.vocab_size  # dense H -> E, tied decoder E -> V
     layers = layer_flops_per_token(cfg, seq_len)
+    if sop and task != "mlm":
+        raise ValueError(f"forward_flops_per_token: sop=True needs task='mlm' (got {task!r})")
     if task == "backbone":
-        return cfg.num_hidden_layers * layers + conv
+        return cfg.num_hidden_layers * layers + conv + embed_proj
     if task == "mlm":
-        return (cfg.num_hidden_layers - 1) * layers + conv + _emd_flops_per_token(cfg, seq_len, target_fraction) + (
-            target_fraction * head
-        )
+        emd = _emd_flops_per_token(cfg, seq_len, target_fraction)
+        extra = _sop_flops_per_token(cfg, seq_len, cls_query=True) if sop else 0.0
+        return (cfg.num_hidden_layers - 1) * layers + conv + embed_proj + emd + target_fraction * head + extra
     if task == "mlm_full_head":
-        return cfg.num_hidden_layers * layers + conv + head
+        return cfg.num_hidden_layers * layers + conv + embed_proj + head
     raise ValueError(f"forward_flops_per_token: task={task!r}; choose 'backbone', 'mlm' or 'mlm_full_head'")
 
 
 def train_flops_per_token(
-    cfg: DebertaConfig, seq_len: int, task: str = "mlm", target_fraction: float = 0.15
+    cfg: DebertaConfig, seq_len: int, task: str = "mlm", target_fraction: float = 0.15, sop: bool = False
 ) -> float:
     """Training FLOPs per token (forward + backward = 3 x forward). Used for MFU."""
-    return 3.0 * forward_flops_per_token(cfg, seq_len, task, target_fraction)
+    return 3.0 * forward_flops_per_token(cfg, seq_len, task, target_fraction, sop)
+
+
+def rtd_forward_flops_per_token(
+    cfg: DebertaConfig, seq_len: int, generator: DebertaConfig | None = None, target_fraction: float = 0.15,
+    sop: bool = False,
+) -> float:
+    """Forward FLOPs per token of an RTD step: generator MLM (`generator`, default `deberta.rtd.generator_config(cfg)`:
+    half depth) + discriminator backbone (`cfg`) + RTD head (+ the SOP head on the discriminator's [CLS])."""
+    if generator is None:
+        from deberta.rtd import generator_config  # local import: flops stays importable without building modules
+
+        generator = generator_config(cfg)
+    h = cfg.hidden_size
+    head = 2.0 * h * h + 2.0 * h
+    sop_head = _sop_flops_per_token(cfg, seq_len, cls_query=False) if sop else 0.0
+    return (forward_flops_per_token(generator, seq_len, "mlm", target_fraction)
+            + forward_flops_per_token(cfg, seq_len, "backbone") + head + sop_head)
+
+
+def rtd_train_flops_per_token(
+    cfg: DebertaConfig, seq_len: int, generator: DebertaConfig | None = None, target_fraction: float = 0.15,
+    sop: bool = False,
+) -> float:
+    """Training FLOPs per token of the whole RTD step (both models, forward + backward = 3 x forward). For MFU."""
+    return 3.0 * rtd_forward_flops_per_token(cfg, seq_len, generator, target_fraction, sop)
 
 
 def peak_flops(device_name: str, dtype: str = "bf16") -> float | None:

@@ -1,17 +1,27 @@
 """Import from / export to HF `transformers` DeBERTa-v2 (`DebertaV2Model`, `DebertaV2ForMaskedLM` with
-`legacy=False`, `DebertaV2ForSequenceClassification`).
+`legacy=False`, `DebertaV2ForSequenceClassification`), tokenizer included.
 
 Our parameter names are HF's, so conversion is a state-dict copy; the only keys that differ are ours
 alone: the EMD's absolute position table (`emd.position_embeddings`), which HF has no place for. It is
 dropped on export (an exported MLM carries backbone + LM head) and freshly initialised on import.
 
-`transformers` is imported lazily, inside these functions: the rest of `deberta/` needs torch only.
+An exported directory is whole: `config.json` (with `architectures`, and labels for a classifier),
+`model.safetensors`, the tokenizer (`tokenizer.json`, `tokenizer_config.json`, plus the vocab stage's own
+`spm.model` and `special_tokens.json`) and a model card, so `AutoTokenizer` / `AutoModel*` / `pipeline` load
+it offline and the tokenizer gives our ids. `load_backbone` reads any HF DeBERTa-v2 directory back into our
+config + backbone weights, to fine-tune from.
+
+`transformers` (and `sentencepiece`, `safetensors`) are imported lazily, inside these functions: the rest of
+`deberta/` needs torch only.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -21,6 +31,7 @@ from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification, 
 
 # Keys that exist only in our models (HF has no EMD).
 OURS_ONLY_PREFIXES = ("emd.",)
+BACKBONE_PREFIX = "deberta."
 # HF settings our architecture fixes (SPEC.md "HF interop"): anything else cannot be imported faithfully.
 _FIXED = {
     "relative_attention": True,
@@ -28,6 +39,15 @@ _FIXED = {
     "hidden_act": "gelu",
     "type_vocab_size": 0,
 }
+# The vocab stage's files and id layout (pipeline/tokenizer.py; deberta/ may not import the pipeline).
+SPM_FILE, SPECIAL_FILE = "spm.model", "special_tokens.json"
+PAD, CLS, SEP, UNK, MASK = "[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"
+FIXED_IDS = {PAD: 0, CLS: 1, SEP: 2, UNK: 3}
+NOT_A_TOKEN_BIAS = -1e4
+"""LM-head bias given to embedding rows past the tokenizer (the padding up to a multiple of 100): no text maps to
+them, and an HF fill-mask top-k that picked one would answer an empty string. -1e4 is finite in fp16 and bf16."""
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json",
+                "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 def to_hf_config(cfg: DebertaConfig, **extra: Any):
@@ -59,22 +79,32 @@ def to_hf_config(cfg: DebertaConfig, **extra: Any):
     )
 
 
-def from_hf_config(hf_cfg) -> DebertaConfig:
-    """`transformers.DebertaV2Config` -> our config; refuses features our model does not implement."""
+def from_hf_config(hf_cfg, source: str = "from_transformers") -> DebertaConfig:
+    """`transformers.DebertaV2Config` -> our config; refuses features our model does not implement, naming the field
+    (`source` prefixes the message: the function or file the config came from)."""
+    def refuse(field: str, got: Any, need: str) -> ValueError:
+        return ValueError(f"{source}: config.{field}={got!r} is not supported (need {need}); our DeBERTa "
+                          f"implements the DeBERTa-v2/v3 architecture of SPEC.md only")
+
+    if getattr(hf_cfg, "model_type", "deberta-v2") != "deberta-v2":
+        raise refuse("model_type", hf_cfg.model_type, "'deberta-v2'")
     for key, want in _FIXED.items():
         got = getattr(hf_cfg, key, None)
         if got != want:
-            raise ValueError(f"from_transformers: config.{key}={got!r} is not supported (need {want!r})")
+            raise refuse(key, got, repr(want))
     pos_att = set(getattr(hf_cfg, "pos_att_type", None) or [])
     if pos_att != {"p2c", "c2p"}:
-        raise ValueError(f"from_transformers: pos_att_type={sorted(pos_att)} is not supported (need ['c2p', 'p2c'])")
-    if getattr(hf_cfg, "embedding_size", hf_cfg.hidden_size) != hf_cfg.hidden_size:
-        raise ValueError("from_transformers: embedding_size != hidden_size (embed_proj) is not supported")
+        raise refuse("pos_att_type", sorted(pos_att), "['c2p', 'p2c']")
+    if getattr(hf_cfg, "embedding_size", None) not in (None, hf_cfg.hidden_size):
+        raise refuse("embedding_size", hf_cfg.embedding_size, f"hidden_size={hf_cfg.hidden_size}: no embed_proj")
+    head_size = getattr(hf_cfg, "attention_head_size", None)
+    if head_size not in (None, hf_cfg.hidden_size // hf_cfg.num_attention_heads):
+        raise refuse("attention_head_size", head_size, "hidden_size / num_attention_heads")
     conv = getattr(hf_cfg, "conv_kernel_size", 0)
     if conv > 0 and getattr(hf_cfg, "conv_act", "tanh") != "gelu":
-        raise ValueError(f"from_transformers: conv_act={hf_cfg.conv_act!r} is not supported (need 'gelu')")
+        raise refuse("conv_act", getattr(hf_cfg, "conv_act", "tanh"), "'gelu'")
     if conv > 0 and getattr(hf_cfg, "conv_groups", 1) != 1:
-        raise ValueError("from_transformers: conv_groups != 1 is not supported")
+        raise refuse("conv_groups", hf_cfg.conv_groups, "1")
     norm = [x.strip() for x in str(getattr(hf_cfg, "norm_rel_ebd", "none")).lower().split("|")]
     buckets = getattr(hf_cfg, "position_buckets", -1)
     return DebertaConfig(
@@ -149,20 +179,47 @@ def from_transformers(hf_model: nn.Module) -> nn.Module:
     return model
 
 
-def to_transformers(model: nn.Module) -> nn.Module:
-    """Ours -> the matching HF model (eval-ready copy). The EMD position table is not exported."""
+def _label_config(model: DebertaForSequenceClassification, labels: Sequence[str] | None) -> dict[str, Any]:
+    """num_labels, id2label/label2id and problem_type of a classifier's HF config, from the task's label names."""
+    if model.regression:
+        names = list(labels or ["score"])
+        problem = "regression"  # the text-classification pipeline then returns the raw score, not a sigmoid
+    else:
+        names = list(labels) if labels else [f"LABEL_{i}" for i in range(model.num_labels)]
+        problem = "single_label_classification"
+    if len(names) != model.num_labels or len(set(names)) != len(names):
+        raise ValueError(f"labels={names} must be {model.num_labels} distinct names, one per classifier output "
+                         f"(the task's label names, index = class id; none for regression)")
+    return {"num_labels": model.num_labels, "id2label": dict(enumerate(names)),
+            "label2id": {n: i for i, n in enumerate(names)}, "problem_type": problem}
+
+
+def to_transformers(model: nn.Module, labels: Sequence[str] | None = None,
+                    drop_sift_normalisation: bool = False) -> nn.Module:
+    """Ours -> the matching HF model (eval-ready copy). The EMD position table is not exported.
+
+    labels: a classifier's class names (index = class id) for `id2label`; None gives LABEL_i ("score" for regression).
+    drop_sift_normalisation: export a sift=True classifier without its extra (affine-free) embedding normalisation,
+    which HF has no place for. LayerNorm(LayerNorm0(x)) and LayerNorm(x) differ by the per-token factor
+    1/sqrt(1 + eps - eps/(var(x) + eps)), a relative eps/(2 var(x)): 1.25e-4 for embeddings of std 0.02.
+    """
     import transformers as tf
 
     if isinstance(model, DebertaForSequenceClassification):
+        if model.deberta.embeddings.sift and not drop_sift_normalisation:
+            raise ValueError("to_transformers: this classifier was built with sift=True, which normalises word "
+                             "embeddings before the embedding LayerNorm and HF DebertaV2 cannot; pass "
+                             "drop_sift_normalisation=True to export it without (outputs move by about "
+                             "layer_norm_eps / (2 var(embedding)), relative)")
         hf_cfg = to_hf_config(
             model.cfg,
-            num_labels=model.num_labels,
             cls_dropout=model.classifier_dropout,
             pooler_dropout=model.pooler_dropout,
+            pooler_hidden_size=model.cfg.hidden_size,
+            pooler_hidden_act="gelu",
+            **_label_config(model, labels),
         )
         hf_model = tf.DebertaV2ForSequenceClassification(hf_cfg)
-        if model.deberta.embeddings.sift:
-            raise ValueError("to_transformers: a sift=True model normalises embeddings; HF cannot represent that")
     elif isinstance(model, DebertaForMaskedLM):
         hf_model = tf.DebertaV2ForMaskedLM(to_hf_config(model.cfg))
     elif isinstance(model, DebertaModel):
@@ -174,10 +231,282 @@ def to_transformers(model: nn.Module) -> nn.Module:
     return hf_model.eval()
 
 
-def save_pretrained(model: nn.Module, path: str | Path) -> Path:
-    """Write an HF directory (config.json + safetensors) that `transformers.AutoModel.from_pretrained`
-    loads (and `AutoModelForMaskedLM` / `AutoModelForSequenceClassification` for the task models)."""
+# ----------------------------------------------------------------------------------------------- the tokenizer
+
+def read_vocab(vocab_dir: str | Path):
+    """The SentencePiece ModelProto of a vocab directory (spm.model + special_tokens.json, as the vocab stage
+    writes them), checked against our id layout: [PAD] [CLS] [SEP] [UNK] = 0..3, [MASK] = number of pieces."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    vocab_dir = Path(vocab_dir)
+    missing = [name for name in (SPM_FILE, SPECIAL_FILE) if not (vocab_dir / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"no {' or '.join(missing)} in {vocab_dir}; pass the vocab stage's artifact directory "
+                                f"(or a model's tokenizer/ folder, which holds copies of both)")
+    proto = sentencepiece_model_pb2.ModelProto()
+    try:
+        proto.ParseFromString((vocab_dir / SPM_FILE).read_bytes())
+    except Exception as e:  # protobuf raises DecodeError, or RuntimeWarning-like errors on truncation
+        raise ValueError(f"{vocab_dir / SPM_FILE} is not a SentencePiece model ({e}); re-run the vocab stage") from None
+    want = {**FIXED_IDS, MASK: len(proto.pieces)}
+    found = {p.piece: i for i, p in enumerate(proto.pieces[:len(FIXED_IDS)])}
+    special = json.loads((vocab_dir / SPECIAL_FILE).read_text())
+    if found != FIXED_IDS or special != want:
+        raise ValueError(f"{vocab_dir}: special ids {special} (pieces 0..3: {list(found)}) differ from our layout "
+                         f"{want}; the vocab stage writes that layout - retrain the vocabulary with it")
+    return proto
+
+
+def _normalizer(charsmap: bytes):
+    """SentencePiece's normalisation (its charsmap, then whitespace clean-up) as a `tokenizers` normalizer.
+
+    The dummy prefix of a text that starts with spaces is written here ("  a" -> "_a"), not left to Metaspace:
+    Metaspace(prepend_scheme="first") prepends only where the normalised text still begins at original offset 0,
+    which removing the spaces breaks. The same rule gives a word after [MASK] its "_", as SentencePiece does.
+    """
+    from tokenizers import Regex, normalizers
+
+    steps = [normalizers.Precompiled(charsmap)] if charsmap else []
+    steps += [
+        normalizers.Replace(Regex(r" +\z"), ""),
+        normalizers.Replace(Regex(r"\A +"), "\u2581"),
+        normalizers.Replace(Regex(" {2,}"), " "),
+        normalizers.Replace(" ", "\u2581"),
+    ]
+    return normalizers.Sequence(steps)
+
+
+def build_tokenizer(vocab_dir: str | Path, model_max_length: int):
+    """Our tokenizer (vocab directory: spm.model + special_tokens.json) as a `transformers` fast tokenizer.
+
+    Same ids as SentencePiece (byte fallback, NFKC charsmap and whitespace rules included), [MASK] appended as id
+    `pieces`, `[CLS] a [SEP] (b [SEP])` added around the text. A unigram model's Viterbi sums scores in float32 in
+    SentencePiece and in float64 in `tokenizers`, so near-ties can split differently (measured on news text: 1 in
+    10,394 sentences; more often in texts of thousands of pieces). Literal "[PAD]" ... "[MASK]" in a text are read
+    as those tokens (HF's rule, which fill-mask needs); SentencePiece reads them as text.
+    """
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import SpmConverter
+
+    proto = read_vocab(vocab_dir)
+    spec, trainer = proto.normalizer_spec, proto.trainer_spec
+    off = [f for f in ("add_dummy_prefix", "remove_extra_whitespaces", "escape_whitespaces") if not getattr(spec, f)]
+    if off or trainer.model_type not in (1, 2):  # UNIGRAM, BPE
+        raise ValueError(f"{vocab_dir}/{SPM_FILE}: normalizer_spec {off} off / model_type {trainer.model_type} is "
+                         f"not what the vocab stage trains (unigram or bpe, default whitespace rules)")
+    if trainer.model_type == 1:
+        # SentencePiece emits byte pieces only as fallback; a `tokenizers` Unigram would also match the literal
+        # text "<0x41>" with them. A score below any path of learned pieces keeps them out wherever "<" and ">"
+        # have pieces; where they have none, the unknown-character path sits at the same floor and the byte piece
+        # still wins (a vocabulary without "<" rarely meets "<0x..>" text).
+        floor = min(p.score for p in proto.pieces if p.type == 1) * len(proto.pieces)
+        vocab: Any = [(p.piece, floor if p.type == 6 else p.score) for p in proto.pieces]  # 6: BYTE
+    else:  # BPE merges are regenerated from the piece scores, as SentencePiece ranks them
+        vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
+    backend = SpmConverter.build_tokenizer_from_spm_proto(proto=proto, vocab=vocab, legacy=False)
+    backend.normalizer = _normalizer(spec.precompiled_charsmap)
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{CLS}:0 $A:0 {SEP}:0", pair=f"{CLS}:0 $A:0 {SEP}:0 $B:1 {SEP}:1",
+        special_tokens=[(CLS, FIXED_IDS[CLS]), (SEP, FIXED_IDS[SEP])])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token=PAD, cls_token=CLS, sep_token=SEP, unk_token=UNK, mask_token=MASK,
+        bos_token=CLS, eos_token=SEP, model_max_length=model_max_length, padding_side="right")
+    if len(tok) != len(proto.pieces) + 1 or tok.mask_token_id != len(proto.pieces):
+        raise RuntimeError(f"build_tokenizer: [MASK] got id {tok.mask_token_id} and length {len(tok)}, "
+                           f"expected {len(proto.pieces)} and {len(proto.pieces) + 1}")
+    return tok
+
+
+def save_tokenizer(vocab_dir: str | Path, out: str | Path, model_max_length: int) -> Path:
+    """Write the tokenizer into an HF directory: tokenizer.json + tokenizer_config.json, and the vocab stage's
+    spm.model + special_tokens.json (so the directory is also a vocab directory for our own Tokenizer)."""
+    out = Path(out)
+    build_tokenizer(vocab_dir, model_max_length).save_pretrained(out)
+    # "PreTrainedTokenizerFast" loads tokenizer.json as it is in transformers 4 and 5 alike; without a
+    # tokenizer_class, AutoTokenizer builds DebertaV2Tokenizer, which rebuilds normalizer and model (no byte fallback)
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for name in (SPM_FILE, SPECIAL_FILE):
+        shutil.copyfile(Path(vocab_dir) / name, out / name)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- export
+
+def _mask_rows_past_tokenizer(hf_model: nn.Module, tokenizer_len: int) -> None:
+    with torch.no_grad():
+        hf_model.lm_predictions.lm_head.bias[tokenizer_len:] = NOT_A_TOKEN_BIAS
+
+
+def _model_card(path: Path, hf_model: nn.Module, pipeline_tag: str, tokenizer_len: int) -> None:
+    cfg = hf_model.config
+    params = sum(p.numel() for p in hf_model.parameters())
+    lines = [
+        "---", "library_name: transformers", f"pipeline_tag: {pipeline_tag}", "tags:", "- deberta-v2", "---", "",
+        f"# {type(hf_model).__name__}", "",
+        "DeBERTa (disentangled attention) trained by this repository's pipeline and exported by `deberta.hf`.", "",
+        f"- {cfg.num_hidden_layers} layers x {cfg.hidden_size}, {cfg.num_attention_heads} heads, {params:,} parameters",
+        f"- tokenizer: SentencePiece ({tokenizer_len - 1} pieces) + [MASK]={tokenizer_len - 1}; "
+        f"{cfg.vocab_size} embedding rows",
+        "- the pretraining's Enhanced Mask Decoder is not part of this export: HF has no place for it",
+    ]
+    if pipeline_tag == "fill-mask":
+        lines.append(f"- LM-head bias of rows {tokenizer_len}..{cfg.vocab_size - 1} (no token) "
+                     f"set to {NOT_A_TOKEN_BIAS:g}")
+    elif pipeline_tag == "text-classification":
+        lines.append(f"- labels: {cfg.id2label} ({cfg.problem_type})")
+    (path / "README.md").write_text("\n".join(lines) + "\n")
+
+
+def save_pretrained(model: nn.Module, path: str | Path, *, vocab_dir: str | Path,
+                    labels: Sequence[str] | None = None, model_max_length: int | None = None,
+                    drop_sift_normalisation: bool = False) -> Path:
+    """Write a whole HF directory: config.json, model.safetensors, tokenizer, README.md.
+
+    `transformers.AutoModel` / `AutoModelForMaskedLM` / `AutoModelForSequenceClassification`, `AutoTokenizer` and
+    `pipeline("fill-mask" | "text-classification")` load it offline.
+    vocab_dir: the vocab stage's directory (spm.model + special_tokens.json) the model was trained with.
+    labels: a classifier's class names, index = class id (the task's labels; None/empty for regression).
+    model_max_length: the tokenizer's truncation length (fine-tuning: its max_seq_len); default: the model's
+    max_position_embeddings.
+    """
+    tokenizer_len = len(read_vocab(vocab_dir).pieces) + 1
+    if tokenizer_len > model.cfg.vocab_size:
+        raise ValueError(f"save_pretrained: the tokenizer in {vocab_dir} has {tokenizer_len} ids but the model only "
+                         f"{model.cfg.vocab_size} embedding rows; export it with the vocabulary it was trained with")
+    hf_model = to_transformers(model, labels, drop_sift_normalisation)
+    if isinstance(model, DebertaForMaskedLM):
+        _mask_rows_past_tokenizer(hf_model, tokenizer_len)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    to_transformers(model).save_pretrained(path)
+    save_tokenizer(vocab_dir, path, model_max_length or model.cfg.max_position_embeddings)
+    hf_model.save_pretrained(path)
+    tag = "fill-mask" if isinstance(model, DebertaForMaskedLM) else (
+        "text-classification" if isinstance(model, DebertaForSequenceClassification) else "feature-extraction")
+    _model_card(path, hf_model, tag, tokenizer_len)
     return path
+
+
+# ----------------------------------------------------------------------------------------------- import
+
+@dataclass(frozen=True)
+class ImportedBackbone:
+    """An HF DeBERTa-v2 directory read back: what fine-tuning needs to start from it."""
+
+    config: DebertaConfig
+    """Our config, converted field by field from config.json."""
+    state_dict: dict[str, torch.Tensor]
+    """fp32 backbone weights under `deberta.*` (our DebertaModel's keys, prefixed as in every task model)."""
+    source: Path
+    """The directory it came from; it holds the tokenizer's spm.model."""
+
+    @property
+    def tokenizer_length(self) -> int:
+        """SentencePiece pieces + [MASK]."""
+        from sentencepiece import SentencePieceProcessor
+
+        return SentencePieceProcessor(model_file=str(self.source / SPM_FILE)).vocab_size() + 1
+
+    def write_vocab(self, dst: str | Path) -> Path:
+        """Write dst/spm.model + dst/special_tokens.json (the vocab stage's layout) from the directory's tokenizer."""
+        dst = Path(dst)
+        dst.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(self.source / SPM_FILE, dst / SPM_FILE)
+        special = {**FIXED_IDS, MASK: self.tokenizer_length - 1}
+        (dst / SPECIAL_FILE).write_text(json.dumps(special, indent=2) + "\n")
+        read_vocab(dst)  # the layout check
+        return dst
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF directory: model.safetensors, pytorch_model.bin, or their sharded index."""
+    from safetensors.torch import load_file
+
+    def load(file: Path) -> dict[str, torch.Tensor]:
+        if file.suffix == ".safetensors":
+            return load_file(str(file))
+        return torch.load(file, map_location="cpu", weights_only=True)
+
+    for name in WEIGHT_FILES:
+        file = path / name
+        if not file.is_file():
+            continue
+        if name.endswith(".index.json"):
+            shards = sorted(set(json.loads(file.read_text())["weight_map"].values()))
+            state: dict[str, torch.Tensor] = {}
+            for shard in shards:
+                state.update(load(path / shard))
+            return state
+        return load(file)
+    raise FileNotFoundError(f"no weights in {path} (looked for {', '.join(WEIGHT_FILES)}); point at a directory "
+                            f"written by save_pretrained")
+
+
+def _backbone_tensors(state: dict[str, torch.Tensor], cfg: DebertaConfig, where: Path) -> dict[str, torch.Tensor]:
+    """`deberta.*` fp32 tensors checked key for key and shape for shape against our DebertaModel(cfg)."""
+    # a bare DebertaV2Model saves "embeddings.*"/"encoder.*"; task models prefix "deberta."
+    bare = not any(k.startswith(BACKBONE_PREFIX) for k in state)
+    tensors = {(BACKBONE_PREFIX + k if bare else k): v for k, v in state.items()}
+    # buffers HF itself ignores: position ids, and the absolute table old checkpoints keep without using it
+    ignored = ("position_ids", "embeddings.position_embeddings.weight")
+    tensors = {k: v for k, v in tensors.items() if k.startswith(BACKBONE_PREFIX) and not k.endswith(ignored)}
+    with torch.device("meta"):
+        want = {BACKBONE_PREFIX + k: v for k, v in DebertaModel(cfg, _init=False).state_dict().items()}
+    missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
+    shapes = [f"{k} {tuple(tensors[k].shape)} vs {tuple(want[k].shape)}"
+              for k in sorted(set(want) & set(tensors)) if tensors[k].shape != want[k].shape]
+    if missing or extra or shapes:
+        raise ValueError(f"{where}: the weights do not fit its config.json: missing {missing[:5]}, unexpected "
+                         f"{extra[:5]}, shapes {shapes[:5]}; the checkpoint and its config do not belong together")
+    return {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
+
+
+def load_backbone(path: str | Path) -> ImportedBackbone:
+    """Read any HF DebertaV2 directory (config.json + safetensors/bin weights + the tokenizer's spm.model) into
+    our DebertaConfig + backbone state dict, to fine-tune from. Task heads in the checkpoint are left behind.
+
+    Unsupported configurations are refused with one message naming the config field.
+    """
+    from transformers import DebertaV2Config
+
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in {path}; point at an HF model directory (save_pretrained output)")
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    if model_type != "deberta-v2":
+        raise ValueError(f"{config_file}: config.model_type={model_type!r} is not supported (need 'deberta-v2')")
+    cfg = from_hf_config(DebertaV2Config.from_pretrained(path, local_files_only=True), source=str(config_file))
+    if not (path / SPM_FILE).is_file():
+        raise FileNotFoundError(f"no {SPM_FILE} in {path}: fine-tuning tokenises with the model's SentencePiece "
+                                f"model; copy the one it was trained with into the directory")
+    imported = ImportedBackbone(cfg, _backbone_tensors(_read_weights(path), cfg, path), path)
+    _check_tokenizer(imported)
+    return imported
+
+
+def _check_tokenizer(imported: ImportedBackbone) -> None:
+    """The directory's spm.model must have our id layout, and [MASK] (if the tokenizer names it) id = pieces."""
+    from sentencepiece import SentencePieceProcessor
+
+    try:
+        sp = SentencePieceProcessor(model_file=str(imported.source / SPM_FILE))
+    except (RuntimeError, OSError) as e:
+        raise ValueError(f"{imported.source / SPM_FILE} is not a SentencePiece model ({e}); copy the model's own "
+                         f"spm.model into the directory") from None
+    found = {sp.id_to_piece(i): i for i in range(min(len(FIXED_IDS), sp.vocab_size()))}
+    if found != FIXED_IDS:
+        raise ValueError(f"{imported.source / SPM_FILE}: pieces 0..3 are {list(found)}, need {list(FIXED_IDS)} "
+                         f"(the DeBERTa-v2/v3 layout our tokenizer assumes)")
+    config_file = imported.source / "tokenizer_config.json"
+    added = json.loads(config_file.read_text()).get("added_tokens_decoder", {}) if config_file.is_file() else {}
+    mask_ids = [int(i) for i, t in added.items() if (t.get("content") if isinstance(t, dict) else t) == MASK]
+    if any(i != sp.vocab_size() for i in mask_ids):
+        raise ValueError(f"{config_file}: [MASK] has id {mask_ids[0]}, ours is appended after the {sp.vocab_size()} "
+                         f"SentencePiece pieces; this tokenizer cannot be reproduced")
+    if sp.vocab_size() + 1 > imported.config.vocab_size:
+        raise ValueError(f"{imported.source}: the tokenizer has {sp.vocab_size() + 1} ids but config.vocab_size="
+                         f"{imported.config.vocab_size}; the directory's tokenizer and model do not belong together")

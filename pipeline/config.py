@@ -58,6 +58,9 @@ class Section:
 ZERO_STAGES = (0, 1, 2, 3)
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 ATTN_IMPLS = ("sdpa", "math")
+OBJECTIVES = ("mlm", "rtd")
+SHARE_LAYERS = ("none", "all", "attention", "ffn")
+EMBEDDING_SHARING = ("gdes", "es", "nes")
 
 
 def check_zero_stage(stage: int, section: str) -> None:
@@ -92,6 +95,10 @@ class ModelConfig(Section):
     layer_norm_eps: float = 1e-7
     pad_token_id: int = 0
     initializer_range: float = 0.02
+    embedding_size: int = 0
+    """ALBERT's factorised embedding: a V x E word table projected to H; 0 = hidden_size (none)."""
+    share_layers: str = "none"
+    """ALBERT's cross-layer sharing: "none", "all", "attention" or "ffn"."""
     attn_impl: str = "sdpa"
     """Kernel of the attention: "sdpa" (fused, additive bias) or "math" (the same equation written out)."""
 
@@ -108,6 +115,10 @@ class ModelConfig(Section):
         _check(self.vocab_size > self.pad_token_id,
                f"model.vocab_size={self.vocab_size} must exceed model.pad_token_id={self.pad_token_id}")
         _check(self.attn_impl in ATTN_IMPLS, f"model.attn_impl={self.attn_impl!r}: use one of {', '.join(ATTN_IMPLS)}")
+        _check(self.embedding_size >= 0, f"model.embedding_size={self.embedding_size}: must be >= 1, or 0 for "
+                                         f"hidden_size (ALBERT uses 128)")
+        _check(self.share_layers in SHARE_LAYERS,
+               f"model.share_layers={self.share_layers!r}: use one of {', '.join(SHARE_LAYERS)}")
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             _check(0.0 <= getattr(self, name) < 1.0, f"model.{name}={getattr(self, name)}: must be in [0, 1)")
 
@@ -242,6 +253,16 @@ class PretrainConfig(Section):
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     grad_clip: float = 1.0
+    objective: str = "mlm"
+    """"mlm": DeBERTa's masked LM with the EMD; "rtd": DeBERTaV3's replaced-token detection (a generator of
+    `generator_layers` trained with MLM, the discriminator on RTD; seed 001)."""
+    rtd_weight: float = 50.0
+    """lambda of L = L_MLM + lambda * L_RTD (objective=rtd; seed 001: 50, the reference code's default: 10)."""
+    embedding_sharing: str = "gdes"
+    """Word embeddings of generator and discriminator (objective=rtd): "gdes" (gradient-disentangled: E_D =
+    sg(E_G) + E_delta), "es" (one table both losses update) or "nes" (two tables)."""
+    generator_layers: int | None = None
+    """Generator depth (objective=rtd); None: half the discriminator's (Table 10)."""
     mlm_probability: float = 0.15
     """Share of non-special tokens that become MLM targets."""
     max_ngram: int = 3
@@ -283,6 +304,12 @@ class PretrainConfig(Section):
                f"pretrain.max_failures={self.max_failures} and shuffle_buffer={self.shuffle_buffer}: must be >= 0")
         _check(self.placement_strategy in PLACEMENTS,
                f"pretrain.placement_strategy={self.placement_strategy!r}: use one of {', '.join(PLACEMENTS)}")
+        _check(self.objective in OBJECTIVES, f"pretrain.objective={self.objective!r}: use mlm or rtd")
+        _check(self.embedding_sharing in EMBEDDING_SHARING,
+               f"pretrain.embedding_sharing={self.embedding_sharing!r}: use gdes, es or nes")
+        _check(self.rtd_weight > 0, f"pretrain.rtd_weight={self.rtd_weight}: must be > 0 (seed 001 uses 50)")
+        _check(self.generator_layers is None or self.generator_layers >= 1,
+               f"pretrain.generator_layers={self.generator_layers}: must be >= 1 (or none for half the depth)")
 
 
 @dataclass(frozen=True)
@@ -463,6 +490,10 @@ def validate(cfg: PipelineConfig) -> None:
     _check(m.vocab_size >= tokenizer_len,
            f"model.vocab_size={m.vocab_size} embedding rows < tokenizer length {tokenizer_len} "
            f"(vocab.vocab_size + [MASK]); set model.vocab_size >= {tokenizer_len} (the reference pads 128,001 to 128,100)")
+    p = cfg.pretrain
+    _check(p.objective != "rtd" or p.generator_layers is None or p.generator_layers <= m.num_hidden_layers,
+           f"pretrain.generator_layers={p.generator_layers} is deeper than the discriminator "
+           f"(model.num_hidden_layers={m.num_hidden_layers}); DeBERTaV3 uses half the depth (generator_layers=none)")
     for key, length in (("tokenize.max_seq_len", t.max_seq_len), ("finetune.max_seq_len", f.max_seq_len)):
         _check(length <= m.max_position_embeddings,
                f"{key}={length} exceeds model.max_position_embeddings={m.max_position_embeddings}; "

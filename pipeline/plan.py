@@ -43,7 +43,10 @@ STAGES: tuple[StageSpec, ...] = (
               "Ray Tune sweep over the Table 9 grid (+SiFT), champion in the MLflow registry", finetune.dry_run),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
-EXTERNAL_INPUTS = ("raw", "task")
+EXTERNAL_INPUTS = ("raw", "task", "pretrain")
+"""Inputs that are not stage artifacts; "pretrain" only with `--pretrained DIR` (an existing checkpoint)."""
+FROM_CHECKPOINT_INPUTS = ("pretrain", "task")
+"""The finetune stage's inputs when it starts from an external checkpoint: its directory holds the tokenizer."""
 
 
 def stages_until(last: str | None) -> tuple[StageSpec, ...]:
@@ -80,9 +83,11 @@ def make_plan(cfg: PipelineConfig, store: ArtifactStore, external_ids: dict[str,
         raise ValueError(f"--force {unknown[0]}: unknown stage; stages are {', '.join(STAGE_NAMES)}")
     ids = dict(external_ids)
     plan = []
-    for spec in stages_until(only or until):
+    from_checkpoint = "pretrain" in external_ids  # --pretrained DIR: fine-tune that checkpoint, nothing else
+    specs = tuple(s for s in STAGES if s.name == "finetune") if from_checkpoint else stages_until(only or until)
+    for spec in specs:
         what = {s: getattr(cfg, s).what() for s in spec.sections}
-        input_ids = {name: ids[name] for name in spec.inputs}
+        input_ids = {name: ids[name] for name in (FROM_CHECKPOINT_INPUTS if from_checkpoint else spec.inputs)}
         art_id = artifact_id(spec.name, spec.version, canonical_json(what), input_ids)
         ids[spec.name] = art_id
         forced = spec.name in force

@@ -27,6 +27,14 @@ MODEL_DEBUG = ModelConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=3, 
                           intermediate_size=256, max_position_embeddings=128, position_buckets=16,
                           share_att_key=True, conv_kernel_size=3)
 """CPU-sized, shaped like the 1.5B (log buckets scaled to 16 over 128 positions, shared keys, conv)."""
+# DeBERTaV3 (seed 001, Table 10; microsoft/DeBERTa experiments/language_model/rtd_*.json): the released layout -
+# 256 log buckets over 512, position projections shared with content, LayerNorm on the relative table, no conv.
+_V3 = dict(vocab_size=128_100, position_buckets=256, share_att_key=True, norm_rel_ebd=True, conv_kernel_size=0)
+MODEL_V3_XSMALL = ModelConfig(hidden_size=384, num_hidden_layers=12, num_attention_heads=6, intermediate_size=1536, **_V3)
+MODEL_V3_SMALL = ModelConfig(hidden_size=768, num_hidden_layers=6, num_attention_heads=12, intermediate_size=3072, **_V3)
+MODEL_V3_BASE = ModelConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072, **_V3)
+MODEL_V3_LARGE = ModelConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+                             **_V3)
 MODELS = {"debug": MODEL_DEBUG, "deberta-base": MODEL_BASE, "deberta-large": MODEL_LARGE, "deberta-1.5b": MODEL_1_5B}
 
 # Table 9 grids (paper appendix A.5), per model size.
@@ -34,6 +42,10 @@ GRID_1_5B = dict(dropout=(0.0, 0.15, 0.3), warmup_steps=(50, 100, 500, 1000),
                  lr=(1e-6, 3e-6, 5e-6), batch_size=(16, 32, 64))
 GRID_LARGE = dict(dropout=(0.0, 0.1, 0.15), warmup_steps=(50, 100, 500, 1000),
                   lr=(5e-6, 8e-6, 9e-6, 1e-5), batch_size=(16, 32, 48, 64))
+# DeBERTaV3 fine-tuning (seed 001): Table 9's dropout/warmup/batch protocol per size; it gives no learning-rate
+# range (its Table 11 is not reproduced), so each size takes Table 9's for the same size.
+GRID_V3_LARGE = dict(dropout=(0.0, 0.15, 0.3), warmup_steps=(50, 100, 500, 1000),
+                     lr=(5e-6, 8e-6, 9e-6, 1e-5), batch_size=(16, 32, 64))
 GRID_BASE = dict(dropout=(0.0, 0.1, 0.15), warmup_steps=(50, 100, 500, 1000),
                  lr=(1.5e-5, 2e-5, 3e-5, 4e-5), batch_size=(16, 32, 48, 64))
 
@@ -102,9 +114,53 @@ def deberta_1_5b() -> PipelineConfig:
                   grid=GRID_1_5B, sift=True, ft_workers=8)
 
 
+def debug_v3() -> PipelineConfig:
+    """The debug run with DeBERTaV3's objective: a 1-layer generator, RTD with GDES on the 3-layer discriminator."""
+    cfg = debug()
+    return dataclasses.replace(cfg, preset="debug-v3", pretrain=dataclasses.replace(cfg.pretrain, objective="rtd"))
+
+
+def _v3(name: str, model: ModelConfig, lr: float, workers: int, micro: int, grid: dict) -> PipelineConfig:
+    """Table 10: 8,192 x 512-token sequences per step, 500k steps, 10k warmup, Adam eps 1e-6 and betas (0.9, 0.98),
+    weight decay 0.01, clipping 1.0, dropout 0.1; RTD with lambda 50 and GDES; the 128K vocabulary."""
+    return PipelineConfig(
+        preset=name,
+        model=_with_vocab(model, PIECES_128K),
+        vocab=VocabConfig(vocab_size=PIECES_128K, sample_documents=10_000_000),
+        tokenize=TokenizeConfig(max_seq_len=512),
+        pretrain=PretrainConfig(num_workers=workers, use_gpu=True, cpus_per_worker=8, zero_stage=2,
+                                micro_batch_size=micro, train_batch_size=8_192, lr=lr, warmup_steps=10_000,
+                                max_steps=500_000, adam_beta2=0.98, objective="rtd", rtd_weight=50.0,
+                                embedding_sharing="gdes", eval_interval=5_000, ckpt_interval=5_000, log_interval=10),
+        finetune=FinetuneConfig(**grid, epochs=10, max_seq_len=256, use_gpu=True, seeds=PAPER_SEEDS,
+                                max_concurrent_trials=8),
+    )
+
+
+def deberta_v3_xsmall() -> PipelineConfig:
+    return _v3("deberta-v3-xsmall", MODEL_V3_XSMALL, lr=6e-4, workers=32, micro=64, grid=GRID_BASE)
+
+
+def deberta_v3_small() -> PipelineConfig:
+    return _v3("deberta-v3-small", MODEL_V3_SMALL, lr=6e-4, workers=32, micro=64, grid=GRID_BASE)
+
+
+def deberta_v3_base() -> PipelineConfig:
+    return _v3("deberta-v3-base", MODEL_V3_BASE, lr=6e-4, workers=64, micro=32, grid=GRID_BASE)
+
+
+def deberta_v3_large() -> PipelineConfig:
+    return _v3("deberta-v3-large", MODEL_V3_LARGE, lr=3e-4, workers=128, micro=16, grid=GRID_V3_LARGE)
+
+
 PRESETS = {
     "debug": debug,
+    "debug-v3": debug_v3,
     "deberta-base": deberta_base,
     "deberta-large": deberta_large,
     "deberta-1.5b": deberta_1_5b,
+    "deberta-v3-xsmall": deberta_v3_xsmall,
+    "deberta-v3-small": deberta_v3_small,
+    "deberta-v3-base": deberta_v3_base,
+    "deberta-v3-large": deberta_v3_large,
 }

@@ -7,6 +7,7 @@ up front), then runs what is not cached yet, each stage in its own MLflow child 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -38,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "or pyarrow.fs URIs; default: the built-in news corpus")
     p.add_argument("--task", metavar="NAME_OR_PATH",
                    help="fine-tuning task: rotten-tomatoes, lee-sts, or a directory of GLUE-format files")
+    p.add_argument("--pretrained", metavar="DIR",
+                   help="fine-tune this HF DeBERTa-v2 checkpoint (config.json, weights, spm.model) instead of "
+                        "pretraining: runs the finetune stage alone, the [model] section read from the checkpoint")
     p.add_argument("--workdir", default="workdir", type=Path,
                    help="artifacts, MLflow store and Ray storage live here (default: ./workdir)")
     group = p.add_mutually_exclusive_group()
@@ -90,14 +94,18 @@ def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path
     """
     from stages import corpus
     from stages.base import StageInputError
+    from stages.finetune.data import resolve_checkpoint
     from stages.finetune.tasks import resolve_task
 
     try:
-        planned = {s.name for s in stages_until(args.only or args.until)}
+        planned = {"finetune"} if args.pretrained else {s.name for s in stages_until(args.only or args.until)}
     except ValueError as e:
         raise UserError(str(e)) from None
     objects, ids = {}, {}
     try:
+        if args.pretrained:
+            objects["pretrain"] = resolve_checkpoint(args.pretrained)
+            ids["pretrain"] = objects["pretrain"].id
         if "corpus" in planned:
             if args.corpus:
                 patterns = tuple(args.corpus)
@@ -135,13 +143,32 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def from_checkpoint(args: argparse.Namespace, cfg: PipelineConfig, objects: dict) -> PipelineConfig:
+    """--pretrained DIR: the [model] section is the checkpoint's architecture (then validated like any config)."""
+    from pipeline.config import ModelConfig
+    from stages.base import StageInputError
+    from stages.finetune.data import checkpoint_model_section
+
+    if args.only or args.until or args.corpus:
+        raise UserError("--pretrained runs the finetune stage alone; drop --only/--until/--corpus")
+    try:
+        cfg = dataclasses.replace(cfg, model=ModelConfig(**checkpoint_model_section(objects["pretrain"])))
+        cfg = apply_overrides(cfg, [o for o in args.overrides if o.startswith("model.")])  # --set still wins
+        validate(cfg)
+    except (StageInputError, ConfigError) as e:
+        raise UserError(str(e)) from None
+    return cfg
+
+
 def _main(args: argparse.Namespace) -> int:
     from pipeline.executor import execute, print_summary
 
     cfg = resolve_config(args)
     workdir = check_workdir(args.workdir)
-    print(f"resolved config ({cfg.preset}):\n{cfg.to_json()}", flush=True)
     objects, ext_ids = external_inputs(args, cfg, workdir)
+    if args.pretrained:
+        cfg = from_checkpoint(args, cfg, objects)
+    print(f"resolved config ({cfg.preset}):\n{cfg.to_json()}", flush=True)
     store = ArtifactStore(workdir)
     try:
         plan = make_plan(cfg, store, ext_ids, only=args.only, until=args.until, force=tuple(args.force))

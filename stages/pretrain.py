@@ -134,7 +134,7 @@ def _trainer(cfg: PretrainConfig, job: "LoopJob", train_files: list[str], ctx: S
 
 def _loop_job(cfg: PretrainConfig, model: "DebertaConfig", ds_config: dict, seq_len: int, val_files: list[str],
               tok: Tokenizer, tracker) -> "LoopJob":
-    from deberta.flops import train_flops_per_token
+    from stages import pretrain_objectives as objectives
     from stages.pretrain_loop import LoopJob
 
     return LoopJob(
@@ -142,7 +142,7 @@ def _loop_job(cfg: PretrainConfig, model: "DebertaConfig", ds_config: dict, seq_
         tokenizer_len=len(tok), mask_id=tok.mask_id,
         special_ids=tuple(sorted(tok.special_ids.values())),
         word_start=np.packbits(tok.word_start_mask()).tobytes(),
-        train_flops_per_token=train_flops_per_token(model, seq_len, target_fraction=cfg.mlm_probability),
+        train_flops_per_token=objectives.train_flops_per_token(cfg, model, seq_len),
         tracker=tracker)
 
 
@@ -189,25 +189,14 @@ def plot_losses(ctx: StageContext, path: Path) -> None:
     plt.close(fig)
 
 
-def write_outputs(out: Path, model: "DebertaConfig", state_dict: dict, vocab: Artifact) -> str:
-    """model/, tokenizer/ and hf/ of the artifact; returns a note on the HF export."""
-    from deberta import checkpoint
-    from deberta.model import DebertaForMaskedLM
+def write_outputs(out: Path, cfg: PretrainConfig, model: "DebertaConfig", state_dict: dict, vocab: Artifact) -> str:
+    """tokenizer/ and the objective's model directories (`stages.pretrain_objectives.write_models`)."""
+    from stages import pretrain_objectives as objectives
 
-    checkpoint.save(state_dict, model, out / "model")
     (out / "tokenizer").mkdir()
     for name in ("spm.model", "special_tokens.json"):
         shutil.copy2(Path(vocab.path) / name, out / "tokenizer" / name)
-    mlm = DebertaForMaskedLM(model)
-    missing = checkpoint.load_into(mlm, out / "model")
-    if missing:
-        raise RuntimeError(f"consolidated checkpoint lacks {missing}")
-    try:
-        from deberta import hf
-    except ImportError as e:  # transformers is optional at run time
-        return f"no HF export ({e})"
-    hf.save_pretrained(mlm, out / "hf")
-    return "hf/ written"
+    return objectives.write_models(out, cfg, model, state_dict, out / "tokenizer")
 
 
 def run(cfg: PretrainConfig, *, model: ModelConfig, inputs: dict[str, Artifact], out: Path,
@@ -232,7 +221,7 @@ def run(cfg: PretrainConfig, *, model: ModelConfig, inputs: dict[str, Artifact],
         state_dict, state = consolidate(Path(d), cfg.zero_stage)
     if state.step != cfg.max_steps:
         raise RuntimeError(f"last checkpoint is {state.tag}, expected step{cfg.max_steps}")
-    hf_note = write_outputs(out, model_config(model), state_dict, inputs["vocab"])
+    hf_note = write_outputs(out, cfg, model_config(model), state_dict, inputs["vocab"])
     print(f"[pretrain] artifact written after {time.time() - started:.0f}s; logging to MLflow", flush=True)
     return finish(cfg, model, out, ctx, result.metrics, seq_len, hf_note)
 
@@ -246,25 +235,19 @@ def finish(cfg: PretrainConfig, model: ModelConfig, out: Path, ctx: StageContext
 
     first_val = dict(_metric_history(ctx, "val_loss")).get(0)
     throughput = [v for _, v in _metric_history(ctx, "tokens_per_s")]
-    metrics = {
-        "final_loss": last("loss"), "val_loss": last("val_loss"), "val_accuracy": last("val_accuracy"),
-        "val_perplexity": last("val_perplexity"), "initial_val_loss": first_val,
-        "tokens_per_s": float(np.median(throughput)) if throughput else None,
-    }
+    keys = ("val_loss", "val_accuracy", "val_perplexity", "val_mlm_loss", "val_rtd_loss", "val_rtd_accuracy",
+            "val_all_original_accuracy", "val_replaced_fraction")
+    metrics = {"final_loss": last("loss"), **{k: last(k) for k in keys}, "initial_val_loss": first_val,
+               "tokens_per_s": float(np.median(throughput)) if throughput else None}
     metrics = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(v)}
-    report = {**metrics, "steps": cfg.max_steps, "seq_len": seq_len, "train_batch_size": cfg.train_batch_size,
+    report = {**metrics, "objective": cfg.objective, "steps": cfg.max_steps, "seq_len": seq_len, "train_batch_size": cfg.train_batch_size,
               "zero_stage": cfg.zero_stage, "num_workers": cfg.num_workers,
               "worker_nodes": final.get("worker_nodes", []), "hf_export": hf_note}
     (out / "metrics.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     plot_losses(ctx, out / "loss_curve.png")
     ctx.tracker.log_artifact(out / "loss_curve.png")
-    ctx.tracker.log_artifacts(out / "model", "model")
-    if (out / "hf").is_dir():
-        ctx.tracker.log_artifacts(out / "hf", "hf")
+    version = register(cfg, out, ctx)
     name = f"deberta-{ctx.preset}-pretrained"
-    tags = {stage: ctx.lineage.get(stage, "") for stage in ("corpus", "vocab", "tokenize")}
-    version = ctx.tracker.register_model(name, artifact_path="model", tags={**tags, "pretrain": ctx.artifact_id},
-                                         description=f"DeBERTa MLM+EMD, {cfg.max_steps} steps, ZeRO-{cfg.zero_stage}")
     return StageResult(
         metrics=metrics,
         counts={"steps": cfg.max_steps, "tokens": cfg.max_steps * cfg.train_batch_size * seq_len},
@@ -276,16 +259,38 @@ def finish(cfg: PretrainConfig, model: ModelConfig, out: Path, ctx: StageContext
     )
 
 
+def register(cfg: PretrainConfig, out: Path, ctx: StageContext) -> str:
+    """Our checkpoint as a run artifact; the registry version `deberta-<preset>-pretrained`, tagged with its
+    lineage and objective. MLM: an MLflow Model (transformers flavor, fill-mask) over hf/; RTD: the discriminator
+    checkpoint (an encoder has no pipeline task to serve), with hf/ and generator/ as artifacts."""
+    from stages import pretrain_objectives as objectives
+
+    ctx.tracker.log_artifacts(out / "model", "model")  # ours, EMD table (MLM) / RTD head included
+    name = f"deberta-{ctx.preset}-pretrained"
+    tags = {**{stage: ctx.lineage.get(stage, "") for stage in ("corpus", "vocab", "tokenize")},
+            "pretrain": ctx.artifact_id, **objectives.objective_tags(cfg)}
+    what = "DeBERTa MLM+EMD" if cfg.objective == "mlm" else f"DeBERTaV3 RTD discriminator ({cfg.embedding_sharing})"
+    description = f"{what}, {cfg.max_steps} steps, ZeRO-{cfg.zero_stage}"
+    if cfg.objective == "mlm":
+        uri = ctx.tracker.log_hf_model(out / "hf", task="fill-mask", name="pretrained", tags=tags,
+                                       input_example={"text": ["The president said on [MASK] that he would resign."]})
+        return ctx.tracker.register_model(name, model_uri=uri, tags=tags, description=description)
+    ctx.tracker.log_artifacts(out / "hf", "hf")
+    ctx.tracker.log_artifacts(out / "generator", "generator")
+    return ctx.tracker.register_model(name, artifact_path="model", tags=tags, description=description)
+
+
 # ----------------------------------------------------------------------------------------------- --dry-run
 
-def _largest_layer_params(model: "DebertaConfig") -> int:
+def _largest_layer_params(cfg: PretrainConfig, model: "DebertaConfig") -> int:
     """Largest single module's own parameters (the word embedding for every preset), on the meta device."""
     import torch
 
-    from deberta.model import DebertaForMaskedLM
+    from stages import pretrain_objectives as objectives
 
+    factory, _ = objectives.build_model(cfg, model)
     with torch.device("meta"):
-        m = DebertaForMaskedLM(model)
+        m = factory()
     return max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules())
 
 
@@ -296,12 +301,13 @@ def dry_run(cfg: PretrainConfig, model: ModelConfig) -> str:
     from deepspeed.runtime.zero.stage_1_and_2 import (estimate_zero2_model_states_mem_needs,
                                                       estimate_zero2_model_states_mem_needs_all_cold)
 
-    from deberta.config import num_parameters
-    from deberta.flops import PEAK_FLOPS, train_flops_per_token
+    from deberta.flops import PEAK_FLOPS
+    from stages import pretrain_objectives as objectives
 
     model = model_config(model)
-    total, backbone = num_parameters(model, "mlm"), num_parameters(model, "backbone")
-    largest = _largest_layer_params(model)
+    counts = objectives.parameter_counts(cfg, model)
+    total, backbone = counts["total"], counts["backbone"]
+    largest = _largest_layer_params(cfg, model)
     nodes = max(1, math.ceil(cfg.num_workers / PLAN_GPUS_PER_NODE))
     gpus_per_node = min(cfg.num_workers, PLAN_GPUS_PER_NODE)
     tables = io.StringIO()
@@ -310,27 +316,29 @@ def dry_run(cfg: PretrainConfig, model: ModelConfig) -> str:
         estimate_zero3_model_states_mem_needs_all_cold(total, largest, num_gpus_per_node=gpus_per_node, num_nodes=nodes)
     _, zero2 = estimate_zero2_model_states_mem_needs(total, gpus_per_node, nodes, cpu_offload=False)
     _, zero3, _ = estimate_zero3_model_states_mem_needs(total, largest, gpus_per_node, nodes, cpu_offload=False,
-                                                        cpu_offload_params=False, zero_init=False)
+                                                        cpu_offload_params=False, zero_init=True)
     seq_len = model.max_position_embeddings
     tokens = cfg.train_batch_size * seq_len
-    flops_tok = train_flops_per_token(model, seq_len, target_fraction=cfg.mlm_probability)
+    flops_tok = objectives.train_flops_per_token(cfg, model, seq_len)
     peak = PEAK_FLOPS[(PLAN_DEVICE, "bf16")]
     step_s = tokens * flops_tok / (cfg.num_workers * peak * PLAN_MFU)
     accum = build_deepspeed_config(cfg, cfg.num_workers, cfg.use_gpu)["gradient_accumulation_steps"]
     lines = [
         f"pretrain plan: {nodes} node(s) x {gpus_per_node} {PLAN_DEVICE} = {cfg.num_workers} workers, "
         f"ZeRO-{cfg.zero_stage}",
-        f"  parameters: {total:,} (MLM with EMD position table; backbone {backbone:,}); "
-        f"largest layer {largest:,}",
+        (f"  parameters: {total:,} (MLM with EMD position table; backbone {backbone:,}); largest layer {largest:,}"
+         if cfg.objective == "mlm" else
+         f"  parameters: {total:,} (RTD: generator {counts['generator']:,} of {model.num_hidden_layers // 2 if cfg.generator_layers is None else cfg.generator_layers} "
+         f"layers + discriminator; backbone {backbone:,}; embeddings {cfg.embedding_sharing}); largest layer {largest:,}"),
         f"  batch: {cfg.train_batch_size} sequences x {seq_len} tokens (model.max_position_embeddings) = "
         f"{tokens:,} tokens/step; micro {cfg.micro_batch_size} x accumulation {accum} x {cfg.num_workers} workers",
         f"  compute: {flops_tok / 1e9:.3g} GFLOP/token for training (deberta.flops: 3 x forward incl. attention "
-        f"and EMD) = {tokens * flops_tok / 1e15:.3g} PFLOP/step",
+        f"and EMD{', generator included' if cfg.objective == 'rtd' else ''}) = {tokens * flops_tok / 1e15:.3g} PFLOP/step",
         f"  at {PLAN_MFU:.0%} MFU of {peak / 1e12:.0f} TFLOP/s bf16 per {PLAN_DEVICE}: {step_s:.3g} s/step, "
         f"{cfg.max_steps:,} steps = {cfg.max_steps * step_s / 86400:.3g} days "
         f"({tokens * cfg.max_steps / 1e9:,.1f}B tokens)",
         f"  model states per GPU without offload: ZeRO-2 {zero2 / 2**30:.2f} GiB, ZeRO-3 {zero3 / 2**30:.2f} GiB "
-        f"(params built on every rank, then partitioned: no zero.Init)",
+        f"(ZeRO-3 builds the model inside zero.Init: no rank ever holds it whole)",
         "  DeepSpeed's estimator tables (model states only: bf16 params/grads + fp32 master and Adam; no activations):",
         *("    " + line for line in tables.getvalue().strip().splitlines()),
     ]

@@ -19,7 +19,6 @@ Side effects (prints, MLflow) happen on world rank 0 only, through `RankZero`.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from deberta.config import DebertaConfig
 from deberta.masking import SpanMasker
 from cluster.engine import Engine, OptimSpec, build
 from pipeline.config import PretrainConfig
+from stages import pretrain_objectives as objectives
 
 STATE_FILE = "train_state.json"
 """Written by rank 0 next to DeepSpeed's files in every checkpoint: tag, step and data position."""
@@ -107,12 +107,11 @@ def optim_spec(cfg: PretrainConfig) -> OptimSpec:
 
 
 def make_engine(cfg: PretrainConfig, model_cfg: DebertaConfig, ds_config: dict[str, Any], backend: str) -> Engine:
-    """DebertaForMaskedLM inside the DeepSpeed engine of `cluster.engine` (no Ray needed: benches call it too).
+    """The objective's model (`stages.pretrain_objectives`) inside the DeepSpeed engine of `cluster.engine`.
     Seeded: identical initial weights on every rank."""
-    from deberta.model import DebertaForMaskedLM, init_weights
-
-    return build(lambda: DebertaForMaskedLM(model_cfg), optim_spec(cfg), ds_config=ds_config, backend=backend,
-                 seed=cfg.seed, init_module=lambda m: init_weights(m, model_cfg))
+    factory, init_module = objectives.build_model(cfg, model_cfg)
+    return build(factory, optim_spec(cfg), ds_config=ds_config, backend=backend, seed=cfg.seed,
+                 init_module=init_module)
 
 
 def build_engine(job: LoopJob, use_gpu: bool) -> Engine:
@@ -184,24 +183,23 @@ def validation_batches(job: LoopJob, rank: int, world: int) -> list[torch.Tensor
     return list(ids.split(micro))
 
 
-def evaluate(engine, batches: list[torch.Tensor], masker: SpanMasker, rank: int, world: int) -> dict[str, float]:
-    """MLM loss, accuracy and perplexity on this worker's validation batches, summed over all workers."""
+def evaluate(engine, batches: list[torch.Tensor], masker: SpanMasker, cfg: PretrainConfig, rank: int,
+             world: int) -> dict[str, float]:
+    """Validation numbers of the objective on this worker's batches, summed over all workers. Masks (and RTD's
+    generator draws) are fixed across evaluations."""
     engine.eval()
-    loss_sum = targets = correct = 0.0
+    sums: list[float] = []
     with torch.no_grad():
         for i, ids in enumerate(batches):
-            masked, labels = masker(ids, step=EVAL_MASK_OFFSET + i * world + rank)
+            step = EVAL_MASK_OFFSET + i * world + rank
+            masked, labels = masker(ids, step=step)
+            extra = {"generator": step} if cfg.objective == "rtd" else {}
             out = engine(input_ids=masked.to(engine.device), attention_mask=(ids != 0).to(engine.device),
-                         labels=labels.to(engine.device))
-            n = float(out["num_targets"])
-            loss_sum += float(out["loss"]) * n
-            targets += n
-            correct += float(out["correct"])
+                         labels=labels.to(engine.device), **extra)
+            batch = objectives.eval_sums(cfg.objective, out)
+            sums = [a + b for a, b in zip(sums, batch)] if sums else batch
     engine.train()
-    loss_sum, targets, correct = all_reduce_sum([loss_sum, targets, correct], engine.device)
-    loss = loss_sum / max(targets, 1.0)
-    return {"val_loss": loss, "val_accuracy": correct / max(targets, 1.0), "val_perplexity": math.exp(min(loss, 50.0)),
-            "val_targets": targets}
+    return objectives.eval_metrics(cfg, all_reduce_sum(sums, engine.device))
 
 
 def save_and_report(engine, state: TrainState, metrics: dict[str, float], rank: int) -> None:
@@ -283,10 +281,14 @@ class Throughput:
         }
 
 
-def train_step(engine, batches, masker: SpanMasker, state: TrainState, accum: int, rank: int, world: int) -> float:
-    """One optimizer step (accum micro-batches); advances the data position; returns this rank's mean loss."""
-    losses = []
-    # dropout draws from the global torch RNG: reseeding per (step, rank) makes a resumed step bit-identical
+def train_step(engine, batches, masker: SpanMasker, state: TrainState, accum: int, rank: int, world: int,
+               objective: str) -> dict[str, float]:
+    """One optimizer step (accum micro-batches); advances the data position. Returns this rank's means of the
+    loss and the objective's step metrics, and the learning rate the step used."""
+    keys = ("loss", *objectives.STEP_METRICS[objective])
+    sums = dict.fromkeys(keys, 0.0)
+    lr = engine.lr  # before the step: the rate this step trains with
+    # dropout (and RTD's draws) use the global torch RNG: reseeding per (step, rank) makes a resumed step identical
     torch.manual_seed((masker.seed * 1_000_003 + state.step) * 1_009 + rank)
     for micro in range(accum):
         state.epoch, index, ids = next(batches)
@@ -296,9 +298,10 @@ def train_step(engine, batches, masker: SpanMasker, state: TrainState, accum: in
                      labels=labels.to(engine.device))
         engine.backward(out["loss"])
         engine.step()  # DeepSpeed steps the optimizer and scheduler at the accumulation boundary only
-        losses.append(float(out["loss"]))
+        for k in keys:
+            sums[k] += float(out[k])
     state.step += 1
-    return sum(losses) / len(losses)
+    return {**{k: v / accum for k, v in sums.items()}, "lr": lr}
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -311,32 +314,36 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     out = RankZero(rank, job.tracker)
     engine = build_engine(job, cfg.use_gpu)
     accum = engine.accumulation
-    masker = SpanMasker(job.tokenizer_len, job.mask_id, job.special_ids, job.word_start_mask(),
-                        mlm_probability=cfg.mlm_probability, max_ngram=cfg.max_ngram, seed=cfg.seed)
+    masker = objectives.make_masker(cfg, job.tokenizer_len, job.mask_id, job.special_ids, job.word_start_mask())
     nodes = worker_nodes(world)
-    out.print(f"{world} workers on {len(set(nodes))} node(s), ZeRO-{cfg.zero_stage}, "
+    out.print(f"{cfg.objective} objective, {world} workers on {len(set(nodes))} node(s), ZeRO-{cfg.zero_stage}, "
               f"{'bf16 GPU' if cfg.use_gpu else 'fp32 CPU'}, accumulation {accum}; config "
               + json.dumps({"pretrain": asdict(cfg), "deepspeed": job.ds_config}, sort_keys=True))
     state = restore(engine, out)
     val_batches = validation_batches(job, rank, world)
     if state.step == 0:
-        out.log(evaluate(engine, val_batches, masker, rank, world), step=0)
+        out.log(evaluate(engine, val_batches, masker, cfg, rank, world), step=0)
     batches = micro_batches(ray.train.get_dataset_shard("train"), job, rank, state)
     timer, last_eval, first_step = Throughput(job, world, state.step), {}, state.step
     while state.step < cfg.max_steps:
-        loss = train_step(engine, batches, masker, state, accum, rank, world)
+        step = train_step(engine, batches, masker, state, accum, rank, world, cfg.objective)
         timer.step()
         done = state.step == cfg.max_steps
         if state.step % cfg.log_interval == 0 or done:
-            metrics = {"loss": all_reduce_sum([loss], engine.device)[0] / world, "lr": engine.lr,
-                       "grad_norm": engine.grad_norm, "epoch": state.epoch, **timer.read(state.step)}
-            out.print(f"step {state.step}/{cfg.max_steps} loss {metrics['loss']:.4f} lr {metrics['lr']:.3e} "
+            lr = step.pop("lr")
+            means = dict(zip(step, (v / world for v in all_reduce_sum(list(step.values()), engine.device))))
+            metrics = {**means, "lr": lr, "grad_norm": engine.grad_norm, "epoch": state.epoch,
+                       **timer.read(state.step)}
+            parts = "".join(f" {k} {means[k]:.4f}" for k in ("mlm_loss", "rtd_loss", "rtd_accuracy") if k in means)
+            out.print(f"step {state.step}/{cfg.max_steps} loss {metrics['loss']:.4f}{parts} lr {lr:.3e} "
                       f"tokens/s {metrics['tokens_per_s']:,.0f} ETA {metrics['eta_s'] / 60:.1f} min")
             out.log({k: None if v is None else float(v) for k, v in metrics.items()}, step=state.step)
         if state.step % cfg.eval_interval == 0 or done:
-            last_eval = evaluate(engine, val_batches, masker, rank, world)
+            last_eval = evaluate(engine, val_batches, masker, cfg, rank, world)
+            rtd = (f" RTD accuracy {last_eval['val_rtd_accuracy']:.3f} (all-original "
+                   f"{last_eval['val_all_original_accuracy']:.3f})" if cfg.objective == "rtd" else "")
             out.print(f"step {state.step} validation loss {last_eval['val_loss']:.4f} "
-                      f"accuracy {last_eval['val_accuracy']:.3f} perplexity {last_eval['val_perplexity']:.1f}")
+                      f"accuracy {last_eval['val_accuracy']:.3f} perplexity {last_eval['val_perplexity']:.1f}{rtd}")
             out.log(last_eval, step=state.step)
         if state.step % cfg.ckpt_interval == 0 or done:
             final = {"worker_nodes": nodes} if done else {}

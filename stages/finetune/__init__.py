@@ -1,14 +1,15 @@
 """Finetune stage: a Ray Tune sweep over the paper's Table 9 grid, the champion to the MLflow registry.
 
     tasks.py     built-in and GLUE-format tasks, their metrics
-    data.py      the splits as token arrays; the pretrained checkpoint
+    data.py      the splits as token arrays; the pretrained checkpoint (ours, or any HF DeBERTa-v2 directory)
     trial.py     one trial: `run_epochs` on a torch or DeepSpeed engine (`cluster.engine`)
     sweep.py     the Tune grid, trials as nested MLflow runs, selection
-    registry.py  the champion's model/, the sweep plot, the registry entry
+    registry.py  the champion's model/ and hf/, the sweep plot, the registry entry
 
-Outputs: model/ (config.json, model.pt, finetune.json, tokenizer/), results.csv (one row per trial),
-sweep.png (dev metric against learning rate), champion.json. The champion is registered as
-`deberta-<preset>-<task>` with alias `champion`.
+Outputs: model/ (config.json, model.pt, finetune.json, tokenizer/), hf/ (DebertaV2ForSequenceClassification
+with its tokenizer and label names), results.csv (one row per trial), sweep.png (dev metric against learning
+rate), champion.json. The champion is registered as `deberta-<preset>-<task>` with alias `champion`, an MLflow
+Model over hf/ (`mlflow.pyfunc.load_model("models:/deberta-<preset>-<task>@champion").predict(df)`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import Any
 from pipeline.config import FinetuneConfig, ModelConfig
 from pipeline.tokenizer import Tokenizer
 from stages.base import StageContext, StageInputError, StageResult, model_config
-from stages.finetune.data import backbone_weights, prepare_data, pretrained_dirs
-from stages.finetune.registry import _jsonable, plot_sweep, register_champion, save_model
+from stages.finetune.data import load_pretrained, prepare_data
+from stages.finetune.registry import _jsonable, export_hf, plot_sweep, register_champion, save_model
 from stages.finetune.sweep import (GRID_KEYS, _trial_runs_callback, best_checkpoint, grid_size, pick_champion,
                                    results_table, run_sweep)
 from stages.finetune.tasks import TaskRef, majority_baseline
@@ -43,8 +44,7 @@ def run(cfg: FinetuneConfig, *, model: ModelConfig, inputs: dict[str, Any], out:
     from stages.finetune.trial import TrialSetup
 
     task: TaskRef = inputs["task"]
-    ckpt_dir, tok_dir = pretrained_dirs(inputs, model)
-    weights = backbone_weights(ckpt_dir)
+    tok_dir, weights = load_pretrained(inputs, model, ctx.scratch)
     tok = Tokenizer.load(tok_dir)
     if len(tok) > model.vocab_size:
         raise StageInputError(f"tokenizer {tok_dir} has {len(tok)} ids but the model only {model.vocab_size} embedding "
@@ -68,7 +68,8 @@ def run(cfg: FinetuneConfig, *, model: ModelConfig, inputs: dict[str, Any], out:
     save_model(out / "model", best_checkpoint(best, metric), setup, task, tok_dir, champion)
     (out / "champion.json").write_text(json.dumps(_jsonable(champion), indent=2, sort_keys=True) + "\n")
 
-    version = register_champion(ctx, out / "model", task, champion, metric, baseline)
+    export_hf(out / "model", out / "hf", task, float(champion["dropout"]))
+    version = register_champion(ctx, out, task, champion, metric, baseline)
     name = f"deberta-{ctx.preset}-{task.name}"
     trial_cfg = {k: _jsonable(champion)[k] for k in (*GRID_KEYS, "seed")}
     return StageResult(

@@ -72,6 +72,50 @@ def prepare_data(task: "TaskRef", tok: Tokenizer, cfg: "FinetuneConfig") -> tupl
     return train, encode_split(tok, task.dev, cfg.max_seq_len)
 
 
+@dataclass(frozen=True)
+class ExternalCheckpoint:
+    """A DeBERTa checkpoint that is not this pipeline's artifact: an HF DeBERTa-v2 directory (`--pretrained DIR`:
+    config.json, model.safetensors or pytorch_model.bin, and the spm.model it was trained with)."""
+
+    path: str
+    id: str
+    """Hash of every file's (name, size, modification time): an edit gives a new id, like a corpus file."""
+
+    @property
+    def source(self) -> str:
+        return self.path
+
+
+def resolve_checkpoint(path: str) -> ExternalCheckpoint:
+    """The `--pretrained` directory, checked for the files fine-tuning reads (StageInputError otherwise)."""
+    import hashlib
+
+    root = Path(path).expanduser().resolve()
+    if not (root / "config.json").is_file():
+        raise StageInputError(f"--pretrained {path}: no config.json there; point at an HF DeBERTa-v2 directory "
+                              f"(what save_pretrained writes)")
+    if not (root / MODEL_FILE).is_file():
+        raise StageInputError(f"--pretrained {path}: no {MODEL_FILE} there; fine-tuning tokenises with the model's "
+                              f"SentencePiece model: copy the one it was trained with into the directory")
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    listing = [(str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return ExternalCheckpoint(str(root), hashlib.sha256(repr(listing).encode()).hexdigest()[:16])
+
+
+def checkpoint_model_section(ckpt: ExternalCheckpoint) -> dict[str, Any]:
+    """The [model] section of an external checkpoint, from its config.json (StageInputError if unsupported)."""
+    from transformers import DebertaV2Config
+
+    from deberta import hf
+
+    try:
+        cfg = hf.from_hf_config(DebertaV2Config.from_pretrained(ckpt.path, local_files_only=True),
+                                source=f"{ckpt.path}/config.json")
+    except ValueError as e:
+        raise StageInputError(f"--pretrained {ckpt.path}: {e}") from None
+    return cfg.to_dict()
+
+
 def pretrained_dirs(inputs: dict[str, Any], model: "ModelConfig") -> tuple[Path, Path]:
     """(checkpoint dir, tokenizer dir) of the pretrained artifact, checked against the run's model config."""
     from deberta import checkpoint
@@ -101,7 +145,7 @@ def pretrained_dirs(inputs: dict[str, Any], model: "ModelConfig") -> tuple[Path,
 
 
 def backbone_weights(ckpt_dir: Path) -> dict[str, "torch.Tensor"]:
-    """The `deberta.*` tensors of the pretrained MLM (its LM head and EMD stay behind)."""
+    """The `deberta.*` tensors of the pretrained model (its LM or RTD head and EMD stay behind)."""
     from deberta import checkpoint
 
     try:
@@ -109,3 +153,19 @@ def backbone_weights(ckpt_dir: Path) -> dict[str, "torch.Tensor"]:
     except checkpoint.CheckpointError as e:
         raise StageInputError(str(e)) from None
     return {k: v for k, v in state.items() if k.startswith(checkpoint.BACKBONE_PREFIX)}
+
+
+def load_pretrained(inputs: dict[str, Any], model: "ModelConfig", scratch: Path) -> tuple[Path, dict[str, "torch.Tensor"]]:
+    """(tokenizer directory, backbone weights) to fine-tune from: the pretrain artifact, or an external HF
+    checkpoint (`deberta.hf.load_backbone` reads it field by field; its spm.model becomes our tokenizer layout)."""
+    art = inputs.get("pretrain")
+    if isinstance(art, ExternalCheckpoint):
+        from deberta import hf
+
+        try:
+            imported = hf.load_backbone(art.path)
+            return imported.write_vocab(scratch / "tokenizer"), imported.state_dict
+        except (ValueError, FileNotFoundError) as e:
+            raise StageInputError(f"--pretrained {art.path}: {e}") from None
+    ckpt_dir, tok_dir = pretrained_dirs(inputs, model)
+    return tok_dir, backbone_weights(ckpt_dir)

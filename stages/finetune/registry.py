@@ -1,4 +1,5 @@
-"""The champion's outputs: `model/` in the artifact, the sweep plot, and the MLflow registry entry."""
+"""The champion's outputs: `model/` (ours) and `hf/` (transformers) in the artifact, the sweep plot, and the
+MLflow registry entry (an MLflow Model over hf/)."""
 
 from __future__ import annotations
 
@@ -60,13 +61,41 @@ def _jsonable(d: dict) -> dict:
     return {k: (v.item() if hasattr(v, "item") else v) for k, v in d.items() if k != "trial_path"}
 
 
-def register_champion(ctx: StageContext, model_dir: Path, task: TaskRef, champion: dict, metric: str,
+def export_hf(model_dir: Path, hf_dir: Path, task: TaskRef, dropout: float) -> None:
+    """hf/: the champion as `DebertaV2ForSequenceClassification` (context pooler included) with the tokenizer,
+    `id2label`/`label2id` from the task's label names (`problem_type` regression for a score)."""
+    import torch
+
+    from deberta import hf
+    from deberta.config import DebertaConfig
+    from deberta.model import DebertaForSequenceClassification
+
+    head = json.loads((model_dir / "finetune.json").read_text())
+    cfg = DebertaConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+    model = DebertaForSequenceClassification(cfg, num_labels=head["num_labels"], classifier_dropout=dropout,
+                                             sift=head["sift"])
+    model.load_state_dict(torch.load(model_dir / "model.pt", map_location="cpu", weights_only=True))
+    # HF has no place for SiFT's parameter-free normalisation of the embeddings: the export drops it (logits move
+    # by ~1e-6 relative at this scale; measured in tests/unit/test_hf_interop.py)
+    hf.save_pretrained(model.eval(), hf_dir, vocab_dir=model_dir / "tokenizer", labels=task.labels,
+                       model_max_length=head["max_seq_len"], drop_sift_normalisation=head["sift"])
+
+
+def register_champion(ctx: StageContext, out: Path, task: TaskRef, champion: dict, metric: str,
                       baseline: float) -> str:
-    """Log model/ on the stage's run and register it as deberta-<preset>-<task> @champion; returns the version."""
-    ctx.tracker.log_artifacts(model_dir, "model")
+    """Log model/ on the stage's run, hf/ as an MLflow Model (transformers flavor, text-classification: served by
+    `mlflow models serve`, loaded by `mlflow.pyfunc.load_model`), and register that as deberta-<preset>-<task>
+    @champion; returns the version."""
+    ctx.tracker.log_artifacts(out / "model", "model")
     trial_cfg = {k: _jsonable(champion)[k] for k in (*GRID_KEYS, "seed")}
-    return ctx.tracker.register_model(f"deberta-{ctx.preset}-{task.name}", "model", alias="champion", tags={
-        "pretrain": ctx.lineage.get("pretrain", ""), "corpus": ctx.lineage.get("corpus", ""),
-        "vocab": ctx.lineage.get("vocab", ""), "task": task.id, "task_name": task.name, "sweep": ctx.artifact_id,
-        "trial_id": champion["trial_id"], "trial_config": json.dumps(trial_cfg, sort_keys=True),
-        metric: f"{champion[metric]:.6f}", "majority_baseline": f"{baseline:.6f}"})
+    tags = {"pretrain": ctx.lineage.get("pretrain", ""), "corpus": ctx.lineage.get("corpus", ""),
+            "vocab": ctx.lineage.get("vocab", ""), "task": task.id, "task_name": task.name, "sweep": ctx.artifact_id,
+            "trial_id": champion["trial_id"], "trial_config": json.dumps(trial_cfg, sort_keys=True),
+            metric: f"{champion[metric]:.6f}", "majority_baseline": f"{baseline:.6f}"}
+    example = {"text": list(task.dev.text_a[:2])}
+    if task.dev.text_b is not None:
+        example["text_pair"] = list(task.dev.text_b[:2])
+    uri = ctx.tracker.log_hf_model(out / "hf", task="text-classification", input_example=example, name="champion",
+                                   tags=tags)
+    return ctx.tracker.register_model(f"deberta-{ctx.preset}-{task.name}", model_uri=uri, alias="champion",
+                                      tags=tags)

@@ -57,14 +57,27 @@ def load_backbone(model: DebertaForSequenceClassification, weights: dict[str, to
         raise StageInputError(f"pretrained weights do not fit the model: {len(bad)} tensors differ, e.g. {bad[:3]}")
 
 
-def build_classifier(setup: TrialSetup, config: dict[str, Any],
-                     weights: dict[str, torch.Tensor]) -> DebertaForSequenceClassification:
-    """The trial's model: pretrained backbone, fresh pooler and classifier drawn from the trial's seed."""
+def build_classifier(setup: TrialSetup, config: dict[str, Any]) -> DebertaForSequenceClassification:
+    """The trial's model before the backbone is loaded: pooler and classifier drawn from the trial's seed."""
     torch.manual_seed(config["seed"])
-    model = DebertaForSequenceClassification(setup.model, setup.num_labels, classifier_dropout=config["dropout"],
-                                             sift=setup.ft.sift)
-    load_backbone(model, weights)
-    return model
+    return DebertaForSequenceClassification(setup.model, setup.num_labels, classifier_dropout=config["dropout"],
+                                            sift=setup.ft.sift)
+
+
+def trial_engine(setup: TrialSetup, config: dict[str, Any], weights: dict[str, torch.Tensor], spec: OptimSpec,
+                 **engine_kw) -> Engine:
+    """The classifier with the pretrained backbone (checked key for key) inside `cluster.engine`'s engine."""
+    from deberta.model import init_weights
+
+    with torch.device("meta"):  # the key check, without building the model twice
+        skeleton = DebertaForSequenceClassification(setup.model, setup.num_labels, 0.0)
+    missing = [k for k in skeleton.state_dict() if k.startswith(checkpoint.BACKBONE_PREFIX)
+               and k not in weights]
+    if missing:
+        raise StageInputError(f"pretrained weights do not fit the model: {len(missing)} tensors missing, "
+                              f"e.g. {missing[:3]}")
+    return build(lambda: build_classifier(setup, config), spec, weights=weights,
+                 init_module=lambda m: init_weights(m, setup.model), **engine_kw)
 
 
 def epoch_batches(n: int, batch_size: int, rng: np.random.Generator, world: int = 1) -> list[np.ndarray]:
@@ -175,8 +188,7 @@ def torch_trial(config: dict[str, Any], *, data: tuple[Encoded, Encoded], weight
     ft = setup.ft
     torch.set_num_threads(ft.cpus_per_trial)
     device = "cuda" if ft.use_gpu and torch.cuda.is_available() else "cpu"
-    engine = build(lambda: build_classifier(setup, config, weights), optim_spec(ft, config, len(data[0])),
-                   device=device)
+    engine = trial_engine(setup, config, weights, optim_spec(ft, config, len(data[0])), device=device)
 
     def report(result: dict[str, Any], best: Engine | None) -> None:
         if best is None:
@@ -208,9 +220,9 @@ def deepspeed_worker(loop_config: dict[str, Any]) -> None:
     data = ray.get(payload["data"])
     weights = ray.get(payload["weights"])
     bs = int(config["batch_size"])
-    engine = build(lambda: build_classifier(setup, config, weights), optim_spec(ft, config, len(data[0]), world),
-                   ds_config=build_finetune_config(ft.grad_clip, ft.zero_stage, ft.use_gpu, bs, world),
-                   backend="nccl" if ft.use_gpu else "gloo")
+    engine = trial_engine(setup, config, weights, optim_spec(ft, config, len(data[0]), world),
+                          ds_config=build_finetune_config(ft.grad_clip, ft.zero_stage, ft.use_gpu, bs, world),
+                          backend="nccl" if ft.use_gpu else "gloo")
     if rank:  # the other workers draw their own dropout masks (rank 0 continues as a torch trial would)
         torch.manual_seed(config["seed"] * 1_009 + rank)
 

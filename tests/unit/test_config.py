@@ -14,7 +14,7 @@ def test_presets_validate(name):
     validate(cfg)
     assert cfg.preset == name
     # Table 8: 2,048 sequences per step for the paper's sizes
-    if name != "debug":
+    if name.startswith("deberta-") and "-v3-" not in name:
         p = cfg.pretrain
         assert p.train_batch_size == 2048 and p.max_steps == 1_000_000 and p.warmup_steps == 10_000
         assert (p.weight_decay, p.adam_eps, p.adam_beta1, p.adam_beta2, p.grad_clip) == (0.01, 1e-6, 0.9, 0.999, 1.0)
@@ -150,3 +150,30 @@ def test_what_and_how_fields():
     for section in ("corpus", "vocab", "tokenize", "pretrain", "finetune", "model", "ray"):
         s = getattr(PRESETS["debug"](), section)
         assert set(s.HOW) <= set(s.to_dict()), section  # every *how* name is a real field
+
+
+@pytest.mark.parametrize("name, shape, lr", [
+    ("deberta-v3-xsmall", (12, 384, 6, 1536), 6e-4), ("deberta-v3-small", (6, 768, 12, 3072), 6e-4),
+    ("deberta-v3-base", (12, 768, 12, 3072), 6e-4), ("deberta-v3-large", (24, 1024, 16, 4096), 3e-4),
+])
+def test_v3_presets_are_table10(name, shape, lr):
+    cfg = PRESETS[name]()
+    m, p = cfg.model, cfg.pretrain
+    assert (m.num_hidden_layers, m.hidden_size, m.num_attention_heads, m.intermediate_size) == shape
+    assert (m.position_buckets, m.share_att_key, m.norm_rel_ebd, m.conv_kernel_size, m.vocab_size) == (
+        256, True, True, 0, 128_100)
+    assert (p.objective, p.rtd_weight, p.embedding_sharing, p.generator_layers) == ("rtd", 50.0, "gdes", None)
+    assert (p.lr, p.train_batch_size, p.max_steps, p.warmup_steps) == (lr, 8192, 500_000, 10_000)
+    assert (p.adam_eps, p.adam_beta1, p.adam_beta2, p.weight_decay, p.grad_clip) == (1e-6, 0.9, 0.98, 0.01, 1.0)
+    assert cfg.finetune.dropout == ((0.0, 0.15, 0.3) if name.endswith("large") else (0.0, 0.1, 0.15))
+
+
+@pytest.mark.parametrize("items, fragment", [
+    (["pretrain.objective=electra"], "pretrain.objective='electra': use mlm or rtd"),
+    (["pretrain.embedding_sharing=tied"], "pretrain.embedding_sharing='tied': use gdes, es or nes"),
+    (["pretrain.rtd_weight=0"], "pretrain.rtd_weight=0.0: must be > 0"),
+    (["pretrain.objective=rtd", "pretrain.generator_layers=4"], "generator_layers=4 is deeper than the discriminator"),
+])
+def test_rtd_config_errors(items, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        validate(apply_overrides(PRESETS["debug"](), items))

@@ -1,0 +1,143 @@
+"""What differs between the two pretraining objectives; everything else (data, engine, checkpoints) is shared.
+
+  mlm  DeBERTa: `DebertaForMaskedLM` (EMD), whole-word span masking of 15% (n-grams up to `max_ngram`,
+       80/10/10 replacement).
+  rtd  DeBERTaV3 (seed 001): `deberta.rtd.RTDPretrainer` - a generator of half the depth trained with MLM, a
+       discriminator trained on replaced-token detection, L = L_MLM + rtd_weight * L_RTD, embeddings shared as
+       `embedding_sharing`. The generator's input follows the reference RTD task: single words, every target
+       [MASK] (see deberta/rtd.py for why).
+
+Generator and discriminator live in one module, so one DeepSpeed engine takes one optimizer step over both:
+the stop-gradient of GDES routes each loss to its own tables (deberta/rtd.py), and one engine is one set of
+ZeRO shards and one checkpoint; the reference's alternating two-trainer updates would need a table shared by
+two engines, which ZeRO cannot partition twice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from deberta.config import DebertaConfig
+from deberta.masking import SpanMasker
+from pipeline.config import PretrainConfig
+
+RTD_FILE = "rtd.json"
+STEP_METRICS = {"mlm": (), "rtd": ("mlm_loss", "rtd_loss", "rtd_accuracy", "replaced_fraction", "generator_accuracy")}
+"""Per-step numbers logged besides `loss`, averaged over micro-batches and workers."""
+
+
+def build_model(cfg: PretrainConfig, model: DebertaConfig) -> tuple[Callable[[], nn.Module],
+                                                                      Callable[[nn.Module], None]]:
+    """(model factory, per-module init for ZeRO-3's re-initialisation) of the objective."""
+    if cfg.objective == "rtd":
+        from deberta.rtd import RTDPretrainer, rtd_init_weights
+
+        return (lambda: RTDPretrainer(model, generator_layers=cfg.generator_layers,
+                                      embedding_sharing=cfg.embedding_sharing, rtd_weight=cfg.rtd_weight),
+                lambda m: rtd_init_weights(m, model))
+    from deberta.model import DebertaForMaskedLM, init_weights
+
+    return lambda: DebertaForMaskedLM(model), lambda m: init_weights(m, model)
+
+
+def make_masker(cfg: PretrainConfig, tokenizer_len: int, mask_id: int, special_ids, word_start) -> SpanMasker:
+    if cfg.objective == "rtd":  # the reference RTD task: single words, every target [MASK]
+        return SpanMasker(tokenizer_len, mask_id, special_ids, word_start, mlm_probability=cfg.mlm_probability,
+                          max_ngram=1, seed=cfg.seed, mask_prob=1.0, random_prob=0.0)
+    return SpanMasker(tokenizer_len, mask_id, special_ids, word_start, mlm_probability=cfg.mlm_probability,
+                      max_ngram=cfg.max_ngram, seed=cfg.seed)
+
+
+def eval_sums(objective: str, out: dict[str, torch.Tensor]) -> list[float]:
+    """One validation batch's sums (added over batches and workers, then turned into `eval_metrics`)."""
+    n = float(out["num_targets"])
+    if objective == "rtd":
+        tokens = float(out["num_tokens"])
+        return [float(out["mlm_loss"]) * n, n, float(out["generator_correct"]),
+                float(out["rtd_loss"]) * tokens, tokens, float(out["rtd_correct"]), float(out["num_replaced"])]
+    return [float(out["loss"]) * n, n, float(out["correct"])]
+
+
+def eval_metrics(cfg: PretrainConfig, sums: list[float]) -> dict[str, float]:
+    loss_sum, targets, correct = sums[:3]
+    mlm = loss_sum / max(targets, 1.0)
+    metrics = {"val_loss": mlm, "val_accuracy": correct / max(targets, 1.0), "val_perplexity": math.exp(min(mlm, 50.0)),
+               "val_targets": targets}
+    if cfg.objective == "rtd":
+        rtd_sum, tokens, rtd_correct, replaced = sums[3:]
+        rtd = rtd_sum / max(tokens, 1.0)
+        metrics.update(val_loss=mlm + cfg.rtd_weight * rtd, val_mlm_loss=mlm, val_rtd_loss=rtd,
+                       val_rtd_accuracy=rtd_correct / max(tokens, 1.0),
+                       val_all_original_accuracy=1.0 - replaced / max(tokens, 1.0),
+                       val_replaced_fraction=replaced / max(targets, 1.0))
+    return metrics
+
+
+def train_flops_per_token(cfg: PretrainConfig, model: DebertaConfig, seq_len: int) -> float:
+    from deberta import flops
+
+    if cfg.objective == "rtd":
+        from deberta.rtd import generator_config
+
+        return flops.rtd_train_flops_per_token(model, seq_len, generator_config(model, cfg.generator_layers),
+                                               target_fraction=cfg.mlm_probability)
+    return flops.train_flops_per_token(model, seq_len, target_fraction=cfg.mlm_probability)
+
+
+def parameter_counts(cfg: PretrainConfig, model: DebertaConfig) -> dict[str, int]:
+    """Parameters of the whole pretraining model and of the backbone that is fine-tuned (meta device)."""
+    from deberta.config import num_parameters
+
+    factory, _ = build_model(cfg, model)
+    with torch.device("meta"):
+        whole = sum(p.numel() for p in factory().parameters())
+    counts = {"total": whole, "backbone": num_parameters(model, "backbone")}
+    if cfg.objective == "rtd":
+        from deberta.rtd import generator_config
+
+        counts["generator"] = num_parameters(generator_config(model, cfg.generator_layers), "mlm")
+    return counts
+
+
+def write_models(out: Path, cfg: PretrainConfig, model: DebertaConfig, state_dict: dict, vocab_dir: Path) -> str:
+    """model/ (ours, what fine-tuning reads), hf/ (transformers, with the tokenizer) and for RTD rtd/ (both
+    models, ours) and generator/ (the generator as HF `DebertaV2ForMaskedLM`). Returns a note on the exports."""
+    from deberta import checkpoint, hf
+    from deberta.model import DebertaForMaskedLM, DebertaModel
+
+    if cfg.objective != "rtd":
+        checkpoint.save(state_dict, model, out / "model")
+        mlm = DebertaForMaskedLM(model)
+        if missing := checkpoint.load_into(mlm, out / "model"):
+            raise RuntimeError(f"consolidated checkpoint lacks {missing}")
+        hf.save_pretrained(mlm, out / "hf", vocab_dir=vocab_dir)
+        return "hf/ DebertaV2ForMaskedLM"
+    from deberta.rtd import discriminator_weights, generator_config, generator_weights
+
+    checkpoint.save(state_dict, model, out / "rtd")
+    (out / "rtd" / RTD_FILE).write_text(json.dumps(
+        {"embedding_sharing": cfg.embedding_sharing, "generator_layers": cfg.generator_layers,
+         "rtd_weight": cfg.rtd_weight}, indent=2) + "\n")
+    checkpoint.save(discriminator_weights(state_dict, cfg.embedding_sharing, with_head=True), model, out / "model")
+    disc = DebertaModel(model)
+    disc.load_state_dict(discriminator_weights(state_dict, cfg.embedding_sharing))
+    hf.save_pretrained(disc, out / "hf", vocab_dir=vocab_dir)
+    gen_cfg = generator_config(model, cfg.generator_layers)
+    gen = DebertaForMaskedLM(gen_cfg)
+    gen.load_state_dict(generator_weights(state_dict))
+    hf.save_pretrained(gen, out / "generator", vocab_dir=vocab_dir)
+    return f"hf/ discriminator (DebertaV2Model, {cfg.embedding_sharing} embeddings merged), generator/ DebertaV2ForMaskedLM"
+
+
+def objective_tags(cfg: PretrainConfig) -> dict[str, Any]:
+    """Registry tags of the pretrained model version."""
+    tags: dict[str, Any] = {"objective": cfg.objective}
+    if cfg.objective == "rtd":
+        tags.update(embedding_sharing=cfg.embedding_sharing, rtd_weight=cfg.rtd_weight)
+    return tags
