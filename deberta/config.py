@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 
 ATTN_IMPLS = ("sdpa", "math")
+SHARE_LAYERS = ("none", "all", "attention", "ffn")
+"""Cross-layer parameter sharing (ALBERT §3.1 and its Table 5 ablation): one set of weights for every layer
+("all"), for every layer's attention block only ("attention") or feed-forward block only ("ffn")."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,19 @@ class DebertaConfig:
     initializer_range: float = 0.02
     """Std of the normal init of linear and embedding weights (HF `_init_weights`)."""
 
+    embedding_size: int = 0
+    """Width E of the word-embedding table (ALBERT's factorised embedding, HF `embedding_size`); 0 = hidden_size
+    (no factorisation; E == hidden_size builds the same model). E != hidden_size: a V x E table, projected to H by
+    `embeddings.embed_proj` (E -> H, no bias, as HF) before the embedding LayerNorm, and an LM head that maps back
+    to E (dense H -> E, LayerNorm over E) before the tied V x E decoder (ALBERT's and HF's legacy head)."""
+
+    share_layers: str = "none"
+    """Cross-layer parameter sharing (ALBERT): "none"; "all" (one layer run L times; the EMD's passes run it too);
+    "attention" (every layer uses layer 0's attention block, LayerNorm included; own FFN); "ffn" (layer 0's
+    feed-forward block, LayerNorm included; own attention). Same FLOPs, fewer parameters. HF DebertaV2 has no
+    shared layers: an export must first copy the shared weights into every layer
+    (`deberta.model.unshared_state_dict`)."""
+
     attn_impl: str = "sdpa"
     """"sdpa": c2p+p2c as an additive bias to torch's fused scaled_dot_product_attention;
     "math": the same equation written out (softmax(QK^T*s + bias) V), kept as the exact fallback."""
@@ -91,10 +107,25 @@ class DebertaConfig:
             )
         if self.vocab_size <= self.pad_token_id:
             raise ValueError(f"DebertaConfig: vocab_size={self.vocab_size} must exceed pad_token_id={self.pad_token_id}")
+        if self.embedding_size < 0:
+            raise ValueError(f"DebertaConfig: embedding_size={self.embedding_size} must be >= 1, or 0 for "
+                             f"hidden_size (no factorised embedding; ALBERT uses 128)")
+        if self.share_layers not in SHARE_LAYERS:
+            raise ValueError(f"DebertaConfig: share_layers={self.share_layers!r}; choose one of {SHARE_LAYERS}")
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def embedding_dim(self) -> int:
+        """E: the word-embedding width actually built (embedding_size, or hidden_size when 0)."""
+        return self.embedding_size or self.hidden_size
+
+    @property
+    def factorised_embedding(self) -> bool:
+        """True when E != H: the model has `embeddings.embed_proj` and an LM head that maps back to E."""
+        return self.embedding_dim != self.hidden_size
 
     @property
     def max_relative(self) -> int:
@@ -162,19 +193,21 @@ def num_parameters(cfg: DebertaConfig, model: str = "backbone") -> int:
     """Parameter count, computed by building the model on the meta device (no memory is allocated).
 
     model: "backbone" (`DebertaModel`, comparable to `transformers.DebertaV2Model`), "mlm"
-    (`DebertaForMaskedLM`: + LM head + the EMD's absolute position table; the decoder is tied) or
-    "classification" (`DebertaForSequenceClassification` with two labels).
+    (`DebertaForMaskedLM`: + LM head + the EMD's absolute position table; the decoder is tied), "mlm_sop"
+    (the same with ALBERT's sentence-order head) or "classification" (`DebertaForSequenceClassification` with two
+    labels). Shared layers (`share_layers`) count once.
     """
     from deberta import model as m  # local import: config must stay importable without building modules
 
     builders = {
         "backbone": lambda: m.DebertaModel(cfg),
         "mlm": lambda: m.DebertaForMaskedLM(cfg),
+        "mlm_sop": lambda: m.DebertaForMaskedLM(cfg, sop=True),
         "classification": lambda: m.DebertaForSequenceClassification(cfg, num_labels=2, classifier_dropout=0.0),
     }
     if model not in builders:
         raise ValueError(f"num_parameters: model={model!r}; choose one of {sorted(builders)}")
     with torch.device("meta"):
         module = builders[model]()
-    # parameters() already de-duplicates tied tensors (the LM decoder is the word embedding)
+    # parameters() already de-duplicates tied tensors (the LM decoder is the word embedding, shared layers)
     return sum(p.numel() for p in module.parameters())

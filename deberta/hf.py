@@ -51,12 +51,21 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json",
 
 
 def to_hf_config(cfg: DebertaConfig, **extra: Any):
-    """Our config -> `transformers.DebertaV2Config` (HF defaults differ from ours: every knob is set)."""
+    """Our config -> `transformers.DebertaV2Config` (HF defaults differ from ours: every knob is set).
+
+    A factorised embedding (E != H) needs HF's legacy MLM head (`legacy=True`, `cls.predictions.*`): its
+    legacy=False head cannot multiply by a V x E table. Shared layers have no HF form and are refused."""
     from transformers import DebertaV2Config
 
+    if cfg.share_layers != "none":
+        raise ValueError(f"to_hf_config: share_layers={cfg.share_layers!r} has no HF DebertaV2 form (every HF layer "
+                         f"owns its weights); export the unshared copy instead: build the model with "
+                         f"cfg.replace(share_layers='none') and load deberta.model.unshared_state_dict(state, cfg) "
+                         f"(the same outputs, the shared weights copied into every layer)")
     return DebertaV2Config(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
+        embedding_size=cfg.embedding_dim,
         num_hidden_layers=cfg.num_hidden_layers,
         num_attention_heads=cfg.num_attention_heads,
         intermediate_size=cfg.intermediate_size,
@@ -73,7 +82,7 @@ def to_hf_config(cfg: DebertaConfig, **extra: Any):
         norm_rel_ebd="layer_norm" if cfg.norm_rel_ebd else "none",
         conv_kernel_size=cfg.conv_kernel_size,
         conv_act="gelu",
-        legacy=False,
+        legacy=cfg.factorised_embedding,
         **_FIXED,
         **extra,
     )
@@ -95,8 +104,7 @@ def from_hf_config(hf_cfg, source: str = "from_transformers") -> DebertaConfig:
     pos_att = set(getattr(hf_cfg, "pos_att_type", None) or [])
     if pos_att != {"p2c", "c2p"}:
         raise refuse("pos_att_type", sorted(pos_att), "['c2p', 'p2c']")
-    if getattr(hf_cfg, "embedding_size", None) not in (None, hf_cfg.hidden_size):
-        raise refuse("embedding_size", hf_cfg.embedding_size, f"hidden_size={hf_cfg.hidden_size}: no embed_proj")
+    embedding_size = getattr(hf_cfg, "embedding_size", None)
     head_size = getattr(hf_cfg, "attention_head_size", None)
     if head_size not in (None, hf_cfg.hidden_size // hf_cfg.num_attention_heads):
         raise refuse("attention_head_size", head_size, "hidden_size / num_attention_heads")
@@ -110,6 +118,7 @@ def from_hf_config(hf_cfg, source: str = "from_transformers") -> DebertaConfig:
     return DebertaConfig(
         vocab_size=hf_cfg.vocab_size,
         hidden_size=hf_cfg.hidden_size,
+        embedding_size=0 if embedding_size in (None, hf_cfg.hidden_size) else embedding_size,
         num_hidden_layers=hf_cfg.num_hidden_layers,
         num_attention_heads=hf_cfg.num_attention_heads,
         intermediate_size=hf_cfg.intermediate_size,
@@ -142,6 +151,32 @@ def _copy_state(src: dict[str, torch.Tensor], dst: nn.Module, skip_missing: tupl
                 tensor.copy_(src[name])
 
 
+# Our LM head under HF's legacy names (E != H exports; the decoder is tied to the word table, its bias to the bias).
+LEGACY_HEAD = {"lm_predictions.lm_head.dense.": "cls.predictions.transform.dense.",
+               "lm_predictions.lm_head.LayerNorm.": "cls.predictions.transform.LayerNorm.",
+               "lm_predictions.lm_head.bias": "cls.predictions.bias"}
+
+
+def _rename(state: dict[str, torch.Tensor], table: dict[str, str]) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in state.items():
+        src = next((s for s in table if k.startswith(s)), None)
+        out[k if src is None else table[src] + k[len(src):]] = v
+    return out
+
+
+def _to_legacy_head(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = _rename(state, LEGACY_HEAD)
+    out["cls.predictions.decoder.weight"] = out[BACKBONE_PREFIX + "embeddings.word_embeddings.weight"]
+    out["cls.predictions.decoder.bias"] = out["cls.predictions.bias"]
+    return out
+
+
+def _from_legacy_head(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    kept = {k: v for k, v in state.items() if not k.startswith("cls.predictions.decoder.")}  # tied copies
+    return _rename(kept, {v: k for k, v in LEGACY_HEAD.items()})
+
+
 def _hf_state(hf_model: nn.Module) -> dict[str, torch.Tensor]:
     # HF's non-persistent `position_ids` buffer has no counterpart in ours (we hold no absolute table)
     return {k: v for k, v in hf_model.state_dict().items() if not k.endswith("position_ids")}
@@ -159,9 +194,11 @@ def from_transformers(hf_model: nn.Module) -> nn.Module:
         model: nn.Module = DebertaModel(cfg)
         _copy_state(state, model, ())
     elif name == "DebertaV2ForMaskedLM":
-        if hf_model.config.legacy:
+        if hf_model.config.legacy and not cfg.factorised_embedding:
             raise ValueError("from_transformers: legacy=True MLM heads (cls.predictions.*) are not supported; "
                              "use DebertaV2ForMaskedLM with legacy=False")
+        if hf_model.config.legacy:  # E != H: the legacy head is ours (dense H -> E, LayerNorm(E), tied decoder)
+            state = _from_legacy_head(state)
         model = DebertaForMaskedLM(cfg)
         _copy_state(state, model, OURS_ONLY_PREFIXES)
     elif name == "DebertaV2ForSequenceClassification":
@@ -227,6 +264,8 @@ def to_transformers(model: nn.Module, labels: Sequence[str] | None = None,
     else:
         raise TypeError(f"to_transformers: unsupported model class {type(model).__name__}")
     ours = {k: v for k, v in model.state_dict().items() if not k.startswith(OURS_ONLY_PREFIXES)}
+    if isinstance(model, DebertaForMaskedLM) and hf_model.config.legacy:
+        ours = _to_legacy_head(ours)
     _copy_state(ours, hf_model, ())
     return hf_model.eval()
 
@@ -338,7 +377,8 @@ def save_tokenizer(vocab_dir: str | Path, out: str | Path, model_max_length: int
 
 def _mask_rows_past_tokenizer(hf_model: nn.Module, tokenizer_len: int) -> None:
     with torch.no_grad():
-        hf_model.lm_predictions.lm_head.bias[tokenizer_len:] = NOT_A_TOKEN_BIAS
+        bias = hf_model.cls.predictions.bias if hf_model.config.legacy else hf_model.lm_predictions.lm_head.bias
+        bias[tokenizer_len:] = NOT_A_TOKEN_BIAS  # legacy: decoder.bias is the same tensor
 
 
 def _model_card(path: Path, hf_model: nn.Module, pipeline_tag: str, tokenizer_len: int) -> None:

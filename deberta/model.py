@@ -1,18 +1,34 @@
 """DeBERTa backbone and its two task models (SPEC.md "Model").
 
-* `DebertaModel`: word embedding -> LayerNorm -> dropout (padding zeroed; no absolute positions),
-  L post-LN layers of disentangled attention, one relative table with its LayerNorm, conv beside layer 1.
+* `DebertaModel`: word embedding (-> E x H projection when factorised) -> LayerNorm -> dropout (padding
+  zeroed; no absolute positions), L post-LN layers of disentangled attention (optionally sharing weights
+  across layers, ALBERT), one relative table with its LayerNorm, conv beside layer 1.
 * `DebertaForMaskedLM`: the backbone's first L-1 layers, then the Enhanced Mask Decoder (the last layer
   run twice with shared weights, absolute positions added to the first query), then the tied LM head;
-  queries only at MLM targets.
+  queries only at MLM targets; optionally ALBERT's sentence-order head on the final [CLS] state (`sop=True`).
 * `DebertaForSequenceClassification`: first-token pooler + task-layer dropout + linear head
   (one label = regression with MSE); no EMD. Accepts an `embedding_delta` for SiFT (`deberta.sift`).
 
 Parameter names are those of HF `DebertaV2*` (`legacy=False` for the LM head), so `deberta.hf` converts
 checkpoints with a copy loop. Distribution (FSDP/ZeRO, compile) is applied from outside.
+
+ALBERT's parameter reductions (seed 004, `DebertaConfig.embedding_size` / `share_layers`):
+* Factorised embedding: a V x E table and `embeddings.embed_proj` (E -> H, no bias) before the embedding
+  LayerNorm, as HF `DebertaV2Embeddings` does (ALBERT itself projects after its LayerNorm, with a bias). The LM
+  head maps back to E (dense H -> E, GELU, LayerNorm(E)) before the tied V x E decoder: ALBERT's head and HF's
+  legacy one (`cls.predictions.transform.*`). HF's `legacy=False` head cannot run with E != H (its dense stays
+  H -> H, and the matmul with the V x E table fails), so for E != H our `lm_predictions.lm_head.*` tensors
+  correspond to HF's legacy names; for E == H the head is exactly the one it always was.
+* Shared layers: one module object per shared block, run at every depth, so its gradient is the sum over
+  uses. "all": `encoder.layer` holds one layer; "attention"/"ffn": layer 0 owns the shared block and every
+  other layer *borrows* it (an attribute outside the module tree: each parameter has one name, the state dict
+  no duplicates, and `init_weights` / ZeRO-3 / `.to()` visit it once, through layer 0).
 """
 
 from __future__ import annotations
+
+import re
+from typing import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -42,11 +58,15 @@ def init_weights(module: nn.Module, cfg: DebertaConfig) -> None:
 
 
 class DebertaEmbeddings(nn.Module):
-    """Word embedding -> (SiFT normalisation + delta) -> LayerNorm -> x mask -> dropout."""
+    """Word embedding (V x E) -> embed_proj (E -> H, if E != H) -> (SiFT normalisation + delta) -> LayerNorm
+    -> x mask -> dropout."""
 
     def __init__(self, cfg: DebertaConfig, sift: bool = False):
         super().__init__()
-        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.embedding_dim, padding_idx=cfg.pad_token_id)
+        # HF DebertaV2Embeddings' name and layout: Linear(E, H) without bias, only when E != H
+        e, h = cfg.embedding_dim, cfg.hidden_size
+        self.embed_proj = nn.Linear(e, h, bias=False) if cfg.factorised_embedding else None
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
         # SiFT perturbs *normalised* embeddings; the clean pass must see the same normalisation
@@ -54,9 +74,18 @@ class DebertaEmbeddings(nn.Module):
         self.eps = cfg.layer_norm_eps
 
     def forward(
-        self, input_ids: torch.Tensor, mask: torch.Tensor | None, delta: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        delta: torch.Tensor | None = None,
+        word_base: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = self.word_embeddings(input_ids)  # (B, T, H)
+        x = self.word_embeddings(input_ids)  # (B, T, E)
+        if word_base is not None:
+            # GDES (`deberta.rtd`): rows of another, detached table; this table holds only the residual
+            x = x + word_base.to(x.dtype)
+        if self.embed_proj is not None:
+            x = self.embed_proj(x)  # (B, T, E) -> (B, T, H)
         if self.sift:
             x = F.layer_norm(x, x.shape[-1:], eps=self.eps)  # no affine: the reference PerturbationLayer
             if delta is not None:
@@ -111,12 +140,31 @@ class DebertaOutput(nn.Module):
         return self.LayerNorm(self.dropout(self.dense(x)) + residual)
 
 
+def _borrow(module: nn.Module, name: str, block: nn.Module) -> None:
+    """Use another layer's block as `module.<name>` without registering it here (it has one owner: layer 0)."""
+    object.__setattr__(module, name, block)  # nn.Module.__setattr__ would register it a second time
+
+
 class DebertaLayer(nn.Module):
-    def __init__(self, cfg: DebertaConfig):
+    """Attention block (`attention`), then feed-forward block (`intermediate` + `output`), both post-LN.
+
+    shared_with: layer 0 of an encoder with cfg.share_layers "attention" or "ffn"; this layer borrows that
+    block from it (one module object for every depth) and builds only the other one.
+    """
+
+    def __init__(self, cfg: DebertaConfig, shared_with: "DebertaLayer | None" = None):
         super().__init__()
-        self.attention = DebertaAttention(cfg)
-        self.intermediate = DebertaIntermediate(cfg)
-        self.output = DebertaOutput(cfg)
+        share = cfg.share_layers if shared_with is not None else "none"
+        if share == "attention":
+            _borrow(self, "attention", shared_with.attention)
+        else:
+            self.attention = DebertaAttention(cfg)
+        if share == "ffn":
+            _borrow(self, "intermediate", shared_with.intermediate)
+            _borrow(self, "output", shared_with.output)
+        else:
+            self.intermediate = DebertaIntermediate(cfg)
+            self.output = DebertaOutput(cfg)
 
     def _finish(self, context: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         attn_out = self.attention.output(context, residual)
@@ -166,17 +214,35 @@ class ConvLayer(nn.Module):
         return out if mask is None else out * mask.unsqueeze(-1).to(out.dtype)
 
 
+def _build_layers(cfg: DebertaConfig) -> nn.ModuleList:
+    """The layers that own parameters: one for share_layers="all" (run at every depth), else L."""
+    first = DebertaLayer(cfg)
+    if cfg.share_layers == "all":
+        return nn.ModuleList([first])
+    lender = first if cfg.share_layers != "none" else None
+    return nn.ModuleList([first] + [DebertaLayer(cfg, shared_with=lender) for _ in range(cfg.num_hidden_layers - 1)])
+
+
 class DebertaEncoder(nn.Module):
     def __init__(self, cfg: DebertaConfig):
         super().__init__()
         self.cfg = cfg
-        self.layer = nn.ModuleList(DebertaLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layer = _build_layers(cfg)
         self.rel_embeddings = nn.Embedding(2 * cfg.att_span, cfg.hidden_size)
         if cfg.norm_rel_ebd:
             self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.conv = ConvLayer(cfg) if cfg.conv_kernel_size > 0 else None
         self.gradient_checkpointing = False
         """Recompute each layer in the backward pass (set from outside, like any distribution choice)."""
+
+    def layer_at(self, depth: int) -> DebertaLayer:
+        """The layer run at `depth` (0-based); with share_layers="all" the one layer at every depth."""
+        return self.layer[0 if self.cfg.share_layers == "all" else depth]
+
+    @property
+    def last_layer(self) -> DebertaLayer:
+        """The layer at depth L-1: the one the EMD runs twice."""
+        return self.layer_at(self.cfg.num_hidden_layers - 1)
 
     def relative_context(self, key_len: int) -> RelativeContext:
         table = self.rel_embeddings.weight
@@ -190,7 +256,8 @@ class DebertaEncoder(nn.Module):
         """emb (B, T, H), mask (B, T) bool or None -> (output of layer `num_layers` (default: all), rel)."""
         rel = self.relative_context(emb.shape[1])
         x = emb
-        for i, layer in enumerate(self.layer[:num_layers]):
+        for i in range(self.cfg.num_hidden_layers)[:num_layers]:
+            layer = self.layer_at(i)
             if self.gradient_checkpointing and self.training:
                 x_new = checkpoint(layer, x, mask, rel, use_reentrant=False)
             else:
@@ -218,12 +285,17 @@ class DebertaModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         num_layers: int | None = None,
         embedding_delta: torch.Tensor | None = None,
+        word_base: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, RelativeContext]:
-        """-> (hidden after `num_layers` layers (B, T, H), key mask (B, T) bool or None, relative context)."""
+        """-> (hidden after `num_layers` layers (B, T, H), key mask (B, T) bool or None, relative context).
+
+        word_base (B, T, E): added to the word-embedding lookup, before embed_proj and the LayerNorm (GDES,
+        `deberta.rtd`).
+        """
         mask = None if attention_mask is None else attention_mask.bool()
         if mask is not None and bool(mask.all()):
             mask = None  # nothing to mask (packed pretraining batches): skip the masked_fill in every layer
-        emb = self.embeddings(input_ids, mask, embedding_delta)
+        emb = self.embeddings(input_ids, mask, embedding_delta, word_base)
         hidden, rel = self.encoder(emb, mask, num_layers)
         return hidden, mask, rel
 
@@ -232,22 +304,28 @@ class DebertaModel(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         embedding_delta: torch.Tensor | None = None,
+        word_base: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
-        hidden, _, _ = self.encode(input_ids, attention_mask, embedding_delta=embedding_delta)
+        hidden, _, _ = self.encode(input_ids, attention_mask, embedding_delta=embedding_delta, word_base=word_base)
         return {"last_hidden_state": hidden}
 
 
 class DebertaLMPredictionHead(nn.Module):
-    """dense -> GELU -> LayerNorm -> tied word-embedding matmul + bias (HF `lm_predictions.lm_head`)."""
+    """dense -> GELU -> LayerNorm -> tied word-embedding matmul + bias (HF `lm_predictions.lm_head`).
+
+    With a factorised embedding (E != H) the dense maps H -> E and the LayerNorm is over E, so the tied decoder
+    is the V x E table itself: ALBERT's `cls/predictions/transform` and HF's legacy `cls.predictions.transform`
+    (HF's legacy=False head keeps H -> H and cannot multiply by a V x E table). For E == H nothing changes.
+    """
 
     def __init__(self, cfg: DebertaConfig):
         super().__init__()
-        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dense = nn.Linear(cfg.hidden_size, cfg.embedding_dim)
+        self.LayerNorm = nn.LayerNorm(cfg.embedding_dim, eps=cfg.layer_norm_eps)
         self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
 
     def forward(self, x: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
-        x = self.LayerNorm(F.gelu(self.dense(x)))
+        x = self.LayerNorm(F.gelu(self.dense(x)))  # (..., H) -> (..., E)
         return F.linear(x, word_embeddings, self.bias)  # (..., V)
 
 
@@ -255,6 +333,48 @@ class DebertaOnlyMLMHead(nn.Module):
     def __init__(self, cfg: DebertaConfig):
         super().__init__()
         self.lm_head = DebertaLMPredictionHead(cfg)
+
+
+class SentenceOrderHead(nn.Module):
+    """ALBERT's sentence-order prediction (SOP) head on the final [CLS] state: pooler (dense H -> H, tanh: ALBERT's
+    `bert/pooler`) -> dropout (hidden_dropout_prob, as HF `AlbertSOPHead`) -> classifier (H -> 2 logits, softmax
+    cross-entropy as ALBERT's `cls/seq_relationship`; class 1 = swapped, 0 = in order).
+
+    ALBERT's head rather than DeBERTa's `ContextPooler` (GELU): SOP is ALBERT's objective and the head is a
+    pretraining-only part (fine-tuning builds its own pooler), so its reference form is the one to reproduce.
+    """
+
+    def __init__(self, cfg: DebertaConfig):
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
+        self.classifier = nn.Linear(cfg.hidden_size, 2)
+
+    def forward(self, cls_state: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.dropout(torch.tanh(self.dense(cls_state))))  # (B, H) -> (B, 2)
+
+
+def sop_outputs(
+    loss: torch.Tensor, sop_logits: torch.Tensor, sop_labels: torch.Tensor | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Add the SOP loss to `loss` (the main objective's): -> (loss + sop_loss, {sop_loss, sop_correct, sop_count}).
+
+    sop_logits (B, 2); sop_labels (B,): 1 = segments swapped, 0 = in order, -100 = no pair in this row (ignored).
+    sop_loss is the mean cross-entropy over the counted rows (0 when none); sop_correct / sop_count are counts,
+    so the loop can sum them over workers for an accuracy. sop_labels None: no SOP term, but the head stays in
+    the graph at zero weight, so every parameter still gets a gradient (as DDP and ZeRO's buckets expect).
+    """
+    if sop_labels is None:
+        return loss + 0.0 * sop_logits.sum(), {}
+    if sop_labels.shape != sop_logits.shape[:1]:
+        raise ValueError(f"sop_labels has shape {tuple(sop_labels.shape)}; need ({sop_logits.shape[0]},): one label "
+                         f"per sequence, 1 = swapped, 0 = in order, -100 = no pair")
+    counted = sop_labels != IGNORE_INDEX
+    count = counted.sum()
+    sop_loss = F.cross_entropy(sop_logits.float(), sop_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    sop_loss = sop_loss / count.clamp(min=1)
+    correct = ((sop_logits.detach().argmax(-1) == sop_labels) & counted).sum()
+    return loss + sop_loss, {"sop_loss": sop_loss, "sop_correct": correct, "sop_count": count}
 
 
 class EnhancedMaskDecoder(nn.Module):
@@ -281,54 +401,56 @@ def target_layout(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class DebertaForMaskedLM(nn.Module):
-    """MLM with the Enhanced Mask Decoder (paper §3.2, A.8).
+    """MLM with the Enhanced Mask Decoder (paper §3.2, A.8), optionally with ALBERT's SOP head (`sop=True`).
 
-    forward(input_ids, attention_mask, labels):
+    forward(input_ids, attention_mask, labels, sop_labels):
       labels given ((B, T), -100 = not a target): queries only at targets; returns loss (mean CE over
         targets), logits (M, V) in row-major target order, num_targets, correct (argmax == label count).
       labels None: EMD queries at every position; returns logits (B, T, V).
+      sop=True: also sop_logits (B, 2) from the backbone's final [CLS] state; with sop_labels ((B,), 1 = swapped,
+        0 = in order, -100 = no pair) loss = MLM loss + SOP loss, plus mlm_loss, sop_loss, sop_correct, sop_count.
     Both EMD passes share the keys, values and p2c term (keys are the layer L-1 output both times), so
     in training they also share one dropout mask on the relative table; eval is exactly the reference.
+    The [CLS] state is the last layer once more, one query at position 0 against the same keys: what the
+    backbone's last layer gives there (the EMD never computes it), at the cost of one query per sequence.
     """
 
-    def __init__(self, cfg: DebertaConfig):
+    def __init__(self, cfg: DebertaConfig, sop: bool = False):
         super().__init__()
         self.cfg = cfg
         self.deberta = DebertaModel(cfg, _init=False)
         self.lm_predictions = DebertaOnlyMLMHead(cfg)
         self.emd = EnhancedMaskDecoder(cfg)
+        self.sop_head = SentenceOrderHead(cfg) if sop else None
         self.apply(lambda m: init_weights(m, cfg))
 
-    def _decode(self, hidden, mask, rel, query_pos) -> torch.Tensor:
+    def _decode(self, hidden, ks: KeyState, rel, query_pos) -> torch.Tensor:
         """Two passes of the last layer; hidden (B, T, H) are keys/values, queries at query_pos (B, Mq)."""
-        layer = self.deberta.encoder.layer[-1]
-        b, _, h = hidden.shape
+        layer = self.deberta.encoder.last_layer
+        h = hidden.shape[-1]
         idx = query_pos.unsqueeze(-1).expand(-1, -1, h)  # (B, Mq, H)
         query = torch.gather(hidden, 1, idx) + self.emd.position_embeddings(query_pos)  # (B, Mq, H)
-        ks = layer.attention.self.prepare_keys(hidden, mask, rel)
         p2c = None
         for _ in range(2):
             query, p2c = layer.decode_pass(query, ks, rel, query_pos, p2c)
         return query
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-    ) -> dict[str, torch.Tensor]:
-        # H = output of layer L-1: the last layer is only ever run inside the EMD
-        hidden, mask, rel = self.deberta.encode(input_ids, attention_mask, num_layers=self.cfg.num_hidden_layers - 1)
+    def _cls_state(self, hidden: torch.Tensor, ks: KeyState, rel: RelativeContext) -> torch.Tensor:
+        """The backbone's last-layer state at [CLS] (B, H): the last layer, query hidden[:, 0] at position 0."""
+        layer = self.deberta.encoder.last_layer
+        pos0 = torch.zeros(hidden.shape[0], 1, dtype=torch.long, device=hidden.device)  # (B, 1)
+        rows = rel.rows_for(pos0[:1], self.cfg)[0, 0]  # (Tk,): table row (minus lo) of r(0, j)
+        # p2c[0, j] = Kc_j . Qr[r(0, j)] as Tk dot products, not relative_bias's (Tk x R) product
+        p2c = torch.einsum("bhjd,hjd->bhj", ks.k, ks.pos_q[:, rows]).unsqueeze(2)  # (B, nh, 1, Tk)
+        out, _ = layer.decode_pass(hidden[:, :1], ks, rel, pos0, p2c)
+        return out[:, 0]  # (B, 1, H) -> (B, H)
+
+    def _mlm(self, hidden, ks: KeyState, rel, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         word = self.deberta.embeddings.word_embeddings.weight
-        head = self.lm_predictions.lm_head
-        b, t = input_ids.shape
-        if labels is None:
-            query_pos = torch.arange(t, device=input_ids.device).expand(b, t)  # (T,) -> (B, T)
-            return {"logits": head(self._decode(hidden, mask, rel, query_pos), word)}  # (B, T, V)
         targets = labels != IGNORE_INDEX
         query_pos, valid = target_layout(targets)
-        out = self._decode(hidden, mask, rel, query_pos)[valid]  # (M, H)
-        logits = head(out, word)  # (M, V)
+        out = self._decode(hidden, ks, rel, query_pos)[valid]  # (M, H)
+        logits = self.lm_predictions.lm_head(out, word)  # (M, V)
         target_ids = labels[targets]  # (M,)
         if target_ids.numel():
             loss = F.cross_entropy(logits.float(), target_ids)
@@ -336,6 +458,40 @@ class DebertaForMaskedLM(nn.Module):
             loss = logits.sum()  # no targets: a zero that keeps the graph connected
         correct = (logits.detach().argmax(-1) == target_ids).sum()
         return {"loss": loss, "logits": logits, "num_targets": targets.sum(), "correct": correct}
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        sop_labels: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        if sop_labels is not None and self.sop_head is None:
+            raise ValueError("DebertaForMaskedLM: sop_labels given, but the model has no sentence-order head; "
+                             "build it with DebertaForMaskedLM(cfg, sop=True)")
+        # H = output of layer L-1: the last layer is only ever run inside the EMD (and for [CLS])
+        hidden, mask, rel = self.deberta.encode(input_ids, attention_mask, num_layers=self.cfg.num_hidden_layers - 1)
+        ks = self.deberta.encoder.last_layer.attention.self.prepare_keys(hidden, mask, rel)
+        if labels is None:
+            b, t = input_ids.shape
+            query_pos = torch.arange(t, device=input_ids.device).expand(b, t)  # (T,) -> (B, T)
+            word = self.deberta.embeddings.word_embeddings.weight
+            logits = self.lm_predictions.lm_head(self._decode(hidden, ks, rel, query_pos), word)  # (B, T, V)
+            out = {"logits": logits}
+        else:
+            out = self._mlm(hidden, ks, rel, labels)
+        if self.sop_head is None:
+            return out
+        sop_logits = self.sop_head(self._cls_state(hidden, ks, rel))  # (B, 2)
+        out["sop_logits"] = sop_logits
+        if labels is None:  # no MLM loss to add to: the SOP metrics alone, if asked for
+            if sop_labels is not None:
+                out.update(sop_outputs(sop_logits.new_zeros(()), sop_logits, sop_labels)[1])
+            return out
+        mlm_loss = out["loss"]
+        out["loss"], sop = sop_outputs(mlm_loss, sop_logits, sop_labels)
+        out.update(sop, mlm_loss=mlm_loss)
+        return out
 
 
 class ContextPooler(nn.Module):
@@ -401,3 +557,26 @@ class DebertaForSequenceClassification(nn.Module):
             else:
                 out["loss"] = F.cross_entropy(logits.float(), labels.view(-1).long())
         return out
+
+
+_LAYER_KEY = re.compile(r"^(.*encoder\.layer\.)0\.(.+)$")
+_SHARED_PARTS = {"all": ("",), "attention": ("attention.",), "ffn": ("intermediate.", "output.")}
+
+
+def unshared_state_dict(state: Mapping[str, torch.Tensor], cfg: DebertaConfig) -> dict[str, torch.Tensor]:
+    """The state dict of a model of `cfg` (one backbone: `DebertaModel`, `DebertaForMaskedLM`, a classifier) with
+    shared layers -> the same model's with `share_layers="none"`: every layer gets the shared weights under its
+    own names (the same tensor each time: `load_state_dict` copies; clone before saving with safetensors).
+    The result computes the same outputs, so this is how a shared model reaches a format without sharing (HF)."""
+    if cfg.share_layers == "none":
+        return dict(state)
+    parts = _SHARED_PARTS[cfg.share_layers]
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        match = _LAYER_KEY.match(name)
+        if match is None or not match.group(2).startswith(parts):
+            out[name] = tensor
+            continue
+        for depth in range(cfg.num_hidden_layers):
+            out[f"{match.group(1)}{depth}.{match.group(2)}"] = tensor
+    return out

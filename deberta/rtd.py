@@ -132,7 +132,8 @@ class DebertaForReplacedTokenDetection(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, word_base: torch.Tensor | None = None
     ) -> dict[str, torch.Tensor]:
-        """-> {"logits": (B, T) replaced-token logits, "last_hidden_state": (B, T, H)}, + "sop_logits" (B, 2) with sop."""
+        """-> {"logits": (B, T) replaced-token logits, "last_hidden_state": (B, T, H)}, and with sop "sop_logits"
+        (B, 2)."""
         hidden, _, _ = self.deberta.encode(input_ids, attention_mask, word_base=word_base)
         out = {"logits": self.mask_predictions(hidden), "last_hidden_state": hidden}
         if self.sop_head is not None:

@@ -299,7 +299,7 @@ def train_step(engine, batches, masker: SpanMasker, state: TrainState, accum: in
         engine.backward(out["loss"])
         engine.step()  # DeepSpeed steps the optimizer and scheduler at the accumulation boundary only
         for k in keys:
-            sums[k] += float(out[k])
+            sums[k] += float(out[k].detach())
     state.step += 1
     return {**{k: v / accum for k, v in sums.items()}, "lr": lr}
 

@@ -29,15 +29,15 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 # README "Run on a cluster", local cluster: the submission, then the pipeline's arguments.
 SUBMIT = 'ray job submit --working-dir . --runtime-env-json "$(python -m cluster.runtime_env)" --'
-# A debug run shrunk to minutes on 2 cores: small vocabulary, 2 tokenizer actors (not one per logical
-# CPU), 20 pretraining steps spread over both nodes, a one-point fine-tuning grid of one epoch on 500
-# examples.
+# The debug-v3 run (DeBERTaV3's objective) shrunk to minutes on 2 cores: small vocabulary, 2 tokenizer actors
+# (not one per logical CPU), 20 pretraining steps spread over both nodes, a one-point fine-tuning grid of two
+# epochs on 2,000 examples.
 SHRINK = ["--set", "vocab.vocab_size=600", "--set", "model.vocab_size=700", "--set", "tokenize.max_seq_len=64",
           "--set", "tokenize.num_workers=2",
           "--set", "pretrain.max_steps=20", "--set", "pretrain.eval_interval=10", "--set", "pretrain.ckpt_interval=10",
           "--set", "pretrain.eval_batches=2", "--set", "pretrain.placement_strategy=SPREAD",
-          "--set", "finetune.lr=3e-4", "--set", "finetune.dropout=0.0", "--set", "finetune.warmup_steps=5",
-          "--set", "finetune.epochs=1", "--set", "finetune.max_seq_len=64", "--set", "finetune.max_train_examples=500"]
+          "--set", "finetune.lr=1e-3", "--set", "finetune.dropout=0.0", "--set", "finetune.warmup_steps=50",
+          "--set", "finetune.epochs=2", "--set", "finetune.max_seq_len=64", "--set", "finetune.max_train_examples=2000"]
 
 
 # ----------------------------------------------------------------------------------------------- ray_cluster.yaml
@@ -188,15 +188,26 @@ def test_pipeline_job_end_to_end(ray_cluster_2_nodes, mlflow_server, small_corpu
 
     cluster = ray_cluster_2_nodes
     workdir = tmp_path_factory.mktemp("shared") / "workdir"  # both raylets see this path
-    args = ["--preset", "debug", "--corpus", str(small_corpus), "--workdir", str(workdir), *SHRINK]
+    args = ["--preset", "debug-v3", "--corpus", str(small_corpus), "--workdir", str(workdir), *SHRINK]
     res, status, logs, took = submit(cluster, args, "pipeline-e2e", timeout=720, MLFLOW_TRACKING_URI=mlflow_server)
     assert res.returncode == 0 and "Job 'pipeline-e2e' succeeded" in status, f"{status}\n{logs[-6000:]}\n{res.stderr[-2000:]}"
     print(f"\npipeline job on 2 nodes: SUCCEEDED in {took:.0f}s")
 
     # Both registered models, each tagged with the corpus artifact it descends from.
     client = MlflowClient(mlflow_server)
-    pretrained = max(client.search_model_versions("name = 'deberta-debug-pretrained'"), key=lambda v: int(v.version))
-    champion = client.get_model_version_by_alias("deberta-debug-rotten-tomatoes", "champion")
+    pretrained = max(client.search_model_versions("name = 'deberta-debug-v3-pretrained'"), key=lambda v: int(v.version))
+    champion = client.get_model_version_by_alias("deberta-debug-v3-rotten-tomatoes", "champion")
+    assert pretrained.tags["objective"] == "rtd" and pretrained.tags["embedding_sharing"] == "gdes"
+    # the RTD discriminator fine-tunes past the majority class of the sentiment task
+    assert float(champion.tags["dev_accuracy"]) > float(champion.tags["majority_baseline"]), champion.tags
+    # ... and the registry version is an MLflow Model: pyfunc loads it and labels reviews with the task's names
+    import mlflow
+    import pandas as pd
+
+    mlflow.set_tracking_uri(mlflow_server)
+    served = mlflow.pyfunc.load_model("models:/deberta-debug-v3-rotten-tomatoes@champion")
+    labels = served.predict(pd.DataFrame({"text": ["A warm, funny and moving film.", "Dull and far too long."]}))
+    assert set(labels["label"]) <= {"fresh", "rotten"}, labels
     corpus_id = pretrained.tags["corpus"]
     assert corpus_id and champion.tags["corpus"] == corpus_id
     assert champion.tags["pretrain"] == pretrained.tags["pretrain"]
@@ -221,7 +232,7 @@ def test_pipeline_job_end_to_end(ray_cluster_2_nodes, mlflow_server, small_corpu
     assert "[pretrain] --force: recomputing from scratch; discarded resumable state" in logs, logs[-4000:]
     assert f"pretrain-{pretrained.tags['pretrain']}" in logs and "restored step" not in logs, logs[-4000:]
     assert "step 10 validation loss" in logs and "step 20/20" in logs, logs[-4000:]
-    versions = client.search_model_versions("name = 'deberta-debug-pretrained'")
+    versions = client.search_model_versions("name = 'deberta-debug-v3-pretrained'")
     assert max(int(v.version) for v in versions) == int(pretrained.version) + 1
 
 

@@ -344,25 +344,6 @@ def check_trained(result, out: Path, tracker, cfg: PretrainConfig, cluster: Clus
     return metrics
 
 
-def test_bad_config_one_message_before_workers(ray_cluster_2_nodes, tokens, model_cfg, workdir, lineage, tmp_path):
-    bad = {
-        "not divisible": (replace(BASE, train_batch_size=24), "must equal micro_batch_size x accumulation x workers"),
-        "zero 4": (replace(BASE, zero_stage=4), "ZeRO stages are 0, 1, 2 and 3"),
-        "gpu on cpu": (replace(BASE, use_gpu=True), "asks for 2 GPUs but the Ray cluster has 0"),
-    }
-    jobs = [pretrain_job(cfg, f"bad{i}", workdir, tokens, model_cfg, lineage)
-            for i, (cfg, _) in enumerate(bad.values())]
-    started = time.time()
-    outcomes = run_driver(ray_cluster_2_nodes, jobs, tmp_path, timeout=120)
-    for (name, (_, pattern)), (kind, message) in zip(bad.items(), outcomes):
-        assert kind == "error" and message.startswith("StageInputError"), (name, message)
-        assert re.search(pattern, message), (name, message)
-        assert "\n" not in message.strip(), "one line"
-    for i in range(len(bad)):  # no Ray Train run was started
-        assert not (workdir / "ray_results" / f"pretrain-bad{i}").exists()
-    assert time.time() - started < 60
-
-
 def test_zero2_two_nodes_mlflow_registry(ray_cluster_2_nodes, tokens, model_cfg, workdir, lineage, tmp_path):
     job = pretrain_job(BASE, "z2", workdir, tokens, model_cfg, lineage)
     started = time.time()
@@ -390,10 +371,11 @@ def test_zero2_two_nodes_mlflow_registry(ray_cluster_2_nodes, tokens, model_cfg,
     assert result.summary[f"registered {name}"].startswith("version ")
     version = result.summary[f"registered {name}"].split()[-1]
     mv = tracker.client.get_model_version(name, version)
-    assert mv.tags == {"corpus": "news0", "vocab": "vocab0", "tokenize": "tok0", "pretrain": "z2"}
+    assert mv.tags == {"corpus": "news0", "vocab": "vocab0", "tokenize": "tok0", "pretrain": "z2", "objective": "mlm"}
     assert mv.run_id == tracker.run_id
     files = {f.path for f in tracker.client.list_artifacts(tracker.run_id, "model")}
     assert files == {"model/config.json", "model/model.pt"}
+    assert mv.source.startswith("models:/")  # an MLflow Model (transformers flavor) over hf/
     print(f"\nZeRO-2, 2 nodes: {BASE.max_steps} steps in {time.time() - started:.0f}s, "
           f"median {metrics['tokens_per_s']:,.0f} tokens/s, val loss {metrics['initial_val_loss']:.2f} -> "
           f"{metrics['val_loss']:.2f}")
@@ -446,3 +428,51 @@ def test_zero3_survives_worker_loss_and_stage_restart(ray_cluster_2_nodes, token
     check_trained(result, out, tracker, cfg, ray_cluster_2_nodes, model_cfg)
     last = checkpoints(workdir, "z3")[-1] / f"step{cfg.max_steps}"
     assert len(list(last.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"))) == 2  # parameters sharded
+
+
+def test_rtd_two_nodes_resumes_after_worker_loss(ray_cluster_2_nodes, tokens, model_cfg, workdir, lineage, tmp_path):
+    """DeBERTaV3's objective on 2 nodes (ZeRO-2, GDES): a worker killed after the step-10 checkpoint is replaced and
+    the run resumes there, repeating its steps; the RTD loss falls; on validation the discriminator beats calling
+    every token original; the artifact holds both models, hf/ loads in transformers with our hidden states."""
+    import torch
+    import transformers
+
+    from deberta import checkpoint
+    from deberta.model import DebertaModel
+
+    cfg = replace(BASE, objective="rtd", max_steps=40, ckpt_interval=10, eval_interval=20, max_failures=1)
+    job = pretrain_job(cfg, "rtd", workdir, tokens, model_cfg, lineage)
+    tracker = job["tracker"]
+    killer = kill_worker_at(ray_cluster_2_nodes, tracker, workdir, "rtd", checkpoint=10, step=12)
+    [(kind, result)] = run_driver(ray_cluster_2_nodes, [job], tmp_path, timeout=600)
+    assert kind == "ok", result
+    assert killer.killed, "no training worker was killed"
+    restored = [int(s) for s, _ in history(tracker, "restored_from_step")]
+    assert restored and restored[0] >= 10, restored
+    first: dict[int, float] = {}
+    for s, v in history(tracker, "loss"):
+        if s in first:
+            assert v == pytest.approx(first[s], rel=1e-5, abs=1e-5), f"step {s} re-ran differently"
+        first.setdefault(s, v)
+    rtd = dict(history(tracker, "rtd_loss"))
+    early, late = [rtd[s] for s in range(1, 6)], [rtd[s] for s in range(cfg.max_steps - 4, cfg.max_steps + 1)]
+    assert sum(late) < 0.8 * sum(early), (early, late)
+    for key in ("mlm_loss", "rtd_accuracy", "replaced_fraction", "generator_accuracy"):
+        assert {s for s, _ in history(tracker, key)} == set(range(1, cfg.max_steps + 1)), key
+    acc, base = history(tracker, "val_rtd_accuracy")[-1][1], history(tracker, "val_all_original_accuracy")[-1][1]
+    assert acc > base, f"RTD validation accuracy {acc:.4f} does not beat the all-original baseline {base:.4f}"
+
+    out = workdir / "artifacts" / "pretrain" / "rtd"
+    assert {p.name for p in out.iterdir()} >= {"model", "rtd", "hf", "generator", "tokenizer", "metrics.json"}
+    assert (out / "generator" / "config.json").is_file() and (out / "hf" / "tokenizer.json").is_file()
+    ours = DebertaModel(model_cfg).eval()
+    weights = checkpoint.load_state_dict(out / "model")
+    ours.load_state_dict({k[len("deberta."):]: v for k, v in weights.items() if k.startswith("deberta.")})
+    theirs = transformers.AutoModel.from_pretrained(out / "hf").eval()
+    ids = torch.randint(4, len(transformers.AutoTokenizer.from_pretrained(out / "hf")), (2, 32))
+    with torch.no_grad():
+        diff = (ours(ids)["last_hidden_state"] - theirs(input_ids=ids).last_hidden_state).abs().max()
+    assert float(diff) <= 1e-5
+    name = "deberta-debug-pretrained"
+    mv = tracker.client.get_model_version(name, result.summary[f"registered {name}"].split()[-1])
+    assert (mv.tags["objective"], mv.tags["embedding_sharing"], mv.tags["pretrain"]) == ("rtd", "gdes", "rtd")

@@ -245,3 +245,21 @@ def test_library_imports_torch_only():
             "bad = sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'deepspeed', 'mlflow', 'transformers'}); "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_albert_options_off_leave_the_model_as_it_was():
+    """embedding_size=0, share_layers="none" (the defaults): the HF-named layout, every layer its own, no new keys."""
+    cfg = debug()
+    model = DebertaForMaskedLM(cfg)
+    state = model.state_dict()
+    assert not [k for k in state if "embed_proj" in k or "sop_head" in k]
+    assert state["deberta.embeddings.word_embeddings.weight"].shape == (cfg.vocab_size, cfg.hidden_size)
+    assert state["lm_predictions.lm_head.dense.weight"].shape == (cfg.hidden_size, cfg.hidden_size)
+    enc = model.deberta.encoder
+    assert len(enc.layer) == cfg.num_hidden_layers and enc.last_layer is enc.layer[-1]
+    assert all(enc.layer_at(i) is enc.layer[i] for i in range(cfg.num_hidden_layers))
+    for i in range(cfg.num_hidden_layers):
+        assert f"deberta.encoder.layer.{i}.attention.self.query_proj.weight" in state
+        assert f"deberta.encoder.layer.{i}.output.dense.weight" in state
+    ids, mask = _batch(cfg)
+    assert set(model.eval()(ids, mask, _targets(cfg, ids, mask))) == {"loss", "logits", "num_targets", "correct"}
