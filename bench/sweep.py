@@ -2,7 +2,7 @@
 
     python -m bench.sweep [--pretrained ARTIFACT_DIR] [--task rotten-tomatoes] [--epochs 4] ...
 
-Runs the finetune stage's sweep (`stages.finetune.run_sweep`, the same Tune trainable) twice, once with every
+Runs the finetune stage's sweep (`stages.finetune.sweep.run_sweep`, the same Tune trainable) twice, once with every
 trial to the last epoch and once with ASHA (grace 1 epoch, reduction factor 2) cutting trials at rungs 1, 2,
 4, ... epochs. Reports trial-epochs spent, wall time, the best configuration of each and whether ASHA found
 the same one or one equally good (dev metric within --tolerance of the full grid's best). Without
@@ -60,7 +60,7 @@ def pretrained_dir(args) -> Path:
 
     from pipeline.datasets import materialize_corpus
     from stages.finetune.tasks import resolve_task
-    from tests.integration.test_finetune import build_tiny_pretrained  # the tests' tiny real checkpoint
+    from bench.tiny_pretrained import build_tiny_pretrained
 
     shutil.rmtree(args.workdir / "tiny", ignore_errors=True)
     news = materialize_corpus("news", args.workdir / "news")

@@ -144,15 +144,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def from_checkpoint(args: argparse.Namespace, cfg: PipelineConfig, objects: dict) -> PipelineConfig:
-    """--pretrained DIR: the [model] section is the checkpoint's architecture (then validated like any config)."""
+    """--pretrained DIR: the [model] section is the checkpoint's architecture and [vocab] its tokenizer's size
+    (then validated like any config)."""
+    from sentencepiece import SentencePieceProcessor
+
     from pipeline.config import ModelConfig
+    from pipeline.tokenizer import MODEL_FILE
     from stages.base import StageInputError
     from stages.finetune.data import checkpoint_model_section
 
     if args.only or args.until or args.corpus:
         raise UserError("--pretrained runs the finetune stage alone; drop --only/--until/--corpus")
     try:
-        cfg = dataclasses.replace(cfg, model=ModelConfig(**checkpoint_model_section(objects["pretrain"])))
+        ckpt = objects["pretrain"]
+        pieces = SentencePieceProcessor(model_file=str(Path(ckpt.path) / MODEL_FILE)).vocab_size()
+        cfg = dataclasses.replace(cfg, model=ModelConfig(**checkpoint_model_section(ckpt)),
+                                  vocab=dataclasses.replace(cfg.vocab, vocab_size=pieces))
         cfg = apply_overrides(cfg, [o for o in args.overrides if o.startswith("model.")])  # --set still wins
         validate(cfg)
     except (StageInputError, ConfigError) as e:

@@ -1,14 +1,13 @@
 """The finetune stage on real tasks and a tiny real pretrained checkpoint: Tune sweep, SiFT, registry, errors.
 
-The checkpoint is built here, not by stages/pretrain.py: a SentencePiece model (2k pieces) trained with the vocab
-stage's trainer on real review and news text, then a `deberta.config.debug()` MLM trained for a few hundred
-plain-torch steps on the same text, saved in the pretrain artifact's layout (model/ + tokenizer/).
+The checkpoint is built in-process, not by stages/pretrain.py (`bench.tiny_pretrained`): a SentencePiece model (2k
+pieces) trained with the vocab stage's trainer on real review and news text, then a `deberta.config.debug()` MLM
+trained for a few hundred plain-torch steps on the same text, saved in the pretrain artifact's layout.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -17,65 +16,21 @@ import pytest
 import torch
 
 from deberta import checkpoint
-from deberta.config import debug, padded_vocab_size
-from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification
+from deberta.model import DebertaForSequenceClassification
 from pipeline.artifacts import Artifact
-from pipeline.config import FinetuneConfig, VocabConfig
+from pipeline.config import FinetuneConfig
 from pipeline.presets import GRID_1_5B, GRID_BASE, GRID_LARGE, PRESETS
-from cluster.engine import OptimSpec, linear_warmup_decay, make_optimizer
+from bench.tiny_pretrained import build_tiny_pretrained
+from cluster.engine import OptimSpec, make_optimizer
 from stages import finetune
 from stages.finetune import data as ft_data
 from stages.finetune import sweep as ft_sweep
 from stages.finetune import trial as ft_trial
 from stages.base import StageContext, StageInputError
 from stages.finetune.tasks import resolve_task
-from pipeline.tokenizer import MODEL_FILE, SPECIAL_FILE, Tokenizer
-from stages.vocab import train_model
+from pipeline.tokenizer import Tokenizer
 
-PIECES = 2_000
 SEQ = 64
-
-
-def build_tiny_pretrained(root: Path, texts: list[str], steps: int = 200, seed: int = 0) -> tuple[Artifact, Artifact]:
-    """A real (tiny) pretrained artifact: SentencePiece on `texts`, then `steps` MLM steps of debug()."""
-    from deberta.masking import SpanMasker
-
-    vocab_dir, model_root = root / "vocab", root / "pretrain"
-    vocab_dir.mkdir(parents=True)
-    sample = root / "sample.txt"
-    sample.write_text("\n".join(texts) + "\n")  # one paragraph per line, as the vocab stage writes it
-    train_model(VocabConfig(vocab_size=PIECES), sample, vocab_dir, num_threads=2)
-    tok = Tokenizer.load(vocab_dir / MODEL_FILE)
-    (vocab_dir / SPECIAL_FILE).write_text(json.dumps(tok.special_ids))
-
-    stream = np.concatenate([np.asarray(ids, dtype=np.int64) for ids in tok.encode(texts)])  # packed, no framing
-    body = SEQ - 2
-    rows = stream[: len(stream) // body * body].reshape(-1, body)
-    seqs = np.concatenate([np.full((len(rows), 1), tok.cls_id), rows, np.full((len(rows), 1), tok.sep_id)], 1)
-    cfg = debug(vocab_size=padded_vocab_size(len(tok)))
-    torch.manual_seed(seed)
-    torch.set_num_threads(1)  # the 2 cores are shared: one thread is faster than two contending ones
-    model = DebertaForMaskedLM(cfg)
-    masker = SpanMasker(len(tok), tok.mask_id, tok.special_ids.values(),
-                        torch.from_numpy(tok.word_start_mask()), seed=seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01, eps=1e-6)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, linear_warmup_decay(30, steps))
-    rng = np.random.default_rng(seed)
-    losses = []
-    for step in range(steps):
-        batch = torch.from_numpy(seqs[rng.integers(0, len(seqs), 32)])  # (32, SEQ)
-        inputs, labels = masker(batch, step=step)
-        loss = model(inputs, torch.ones_like(inputs), labels=labels)["loss"]
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(float(loss.detach()))
-    assert np.mean(losses[-20:]) < np.mean(losses[:20]) - 1.0, "the tiny MLM did not learn"
-    checkpoint.save(model, cfg, model_root / "model")
-    shutil.copytree(vocab_dir, model_root / "tokenizer")
-    return Artifact("pretrain", "tiny-pretrain", model_root), Artifact("vocab", "tiny-vocab", vocab_dir)
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +137,17 @@ def test_sweep_beats_baseline_and_registers_champion(pretrained, ray_local, mlfl
     assert float(mv.tags["dev_accuracy"]) == pytest.approx(best, abs=1e-5)
     files = {f.path for f in client.list_artifacts(tracker.run_id, "model")}
     assert {"model/model.pt", "model/config.json", "model/finetune.json", "model/tokenizer"} <= files
+    # ... an MLflow Model over hf/, which transformers loads with the task's label names
+    assert mv.source.startswith("models:/")
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    exported = AutoModelForSequenceClassification.from_pretrained(out / "hf").eval()
+    assert exported.config.id2label == {0: "rotten", 1: "fresh"} and len(AutoTokenizer.from_pretrained(out / "hf")) == len(tok)
+    with torch.no_grad():
+        ids = torch.from_numpy(dev.ids[:16].astype(np.int64))
+        ours = clf.eval()(ids, (ids != 0).long())["logits"]
+        theirs = exported(input_ids=ids, attention_mask=(ids != 0).long()).logits
+    assert float((ours - theirs).abs().max()) <= 1e-5
     children = client.search_runs([tracker.experiment_id], f"tags.mlflow.parentRunId = '{tracker.run_id}'")
     assert len(children) == 4
     for run in children:
@@ -189,6 +155,39 @@ def test_sweep_beats_baseline_and_registers_champion(pretrained, ray_local, mlfl
         assert run.info.status == "FINISHED"
         history = client.get_metric_history(run.info.run_id, "dev_accuracy")
         assert sorted(m.step for m in history) == [1, 2]
+
+
+def test_finetunes_any_hf_deberta_directory(pretrained, ray_local, tracker, tmp_path):
+    """`--pretrained DIR`: an HF DeBERTa-v2 directory (here our tiny MLM exported with its tokenizer) is fine-tuned
+    with no pretrain or vocab artifact; the plan runs the finetune stage alone with the checkpoint's architecture."""
+    import subprocess
+    import sys
+
+    from deberta import hf
+    from deberta.model import DebertaForMaskedLM
+    from stages.finetune.data import resolve_checkpoint
+
+    pre, vocab = pretrained
+    mlm = DebertaForMaskedLM(checkpoint.load_config(pre.path / "model"))
+    checkpoint.load_into(mlm, pre.path / "model")
+    hf_dir = hf.save_pretrained(mlm, tmp_path / "someone-elses-deberta", vocab_dir=vocab.path)
+    plan = subprocess.run([sys.executable, "-m", "pipeline.run", "--pretrained", str(hf_dir), "--workdir",
+                           str(tmp_path / "wd"), "--dry-run"], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    rows = [ln.split() for ln in plan.stdout.split("plan:")[1].splitlines()[1:] if ln.startswith("  ")]
+    assert [r[0] for r in rows[:1]] == ["finetune"] and not any(r[0] in ("corpus", "pretrain") for r in rows)
+    assert f'"vocab_size": {mlm.cfg.vocab_size}' in plan.stdout  # the [model] section came from config.json
+
+    cfg = FinetuneConfig(task="rotten-tomatoes", dropout=(0.0,), warmup_steps=(10,), lr=(2e-3,), batch_size=(32,),
+                         epochs=2, max_seq_len=SEQ, max_train_examples=2_000, max_concurrent_trials=1)
+    task = resolve_task(cfg.task)
+    out = tmp_path / "out"
+    out.mkdir()
+    result = finetune.run(cfg, model=mlm.cfg, inputs={"pretrain": resolve_checkpoint(str(hf_dir)), "task": task},
+                          out=out, ctx=_context(tmp_path, tracker, "from-hf"))
+    assert result.metrics["best_dev_accuracy"] > result.metrics["majority_baseline"] + 0.02, result.metrics
+    assert (out / "hf" / "model.safetensors").is_file() and (out / "model" / "tokenizer" / "spm.model").is_file()
 
 
 # ----------------------------------------------------------------------------------------------- SiFT

@@ -431,24 +431,27 @@ def test_zero3_survives_worker_loss_and_stage_restart(ray_cluster_2_nodes, token
 
 
 def test_rtd_two_nodes_resumes_after_worker_loss(ray_cluster_2_nodes, tokens, model_cfg, workdir, lineage, tmp_path):
-    """DeBERTaV3's objective on 2 nodes (ZeRO-2, GDES): a worker killed after the step-10 checkpoint is replaced and
+    """DeBERTaV3's objective on 2 nodes (ZeRO-2, GDES): a worker killed after the step-20 checkpoint is replaced and
     the run resumes there, repeating its steps; the RTD loss falls; on validation the discriminator beats calling
-    every token original; the artifact holds both models, hf/ loads in transformers with our hidden states."""
+    every token original (the debug discriminator needs ~200 steps of 16 x 64 tokens to get there: measured
+    in-process, it sits at that baseline for the first ~150); the artifact holds both models, and hf/ loads in
+    transformers with our hidden states."""
     import torch
     import transformers
 
     from deberta import checkpoint
     from deberta.model import DebertaModel
 
-    cfg = replace(BASE, objective="rtd", max_steps=40, ckpt_interval=10, eval_interval=20, max_failures=1)
+    cfg = replace(BASE, objective="rtd", max_steps=240, ckpt_interval=20, eval_interval=120, log_interval=1,
+                  max_failures=1)
     job = pretrain_job(cfg, "rtd", workdir, tokens, model_cfg, lineage)
     tracker = job["tracker"]
-    killer = kill_worker_at(ray_cluster_2_nodes, tracker, workdir, "rtd", checkpoint=10, step=12)
+    killer = kill_worker_at(ray_cluster_2_nodes, tracker, workdir, "rtd", checkpoint=20, step=22)
     [(kind, result)] = run_driver(ray_cluster_2_nodes, [job], tmp_path, timeout=600)
     assert kind == "ok", result
     assert killer.killed, "no training worker was killed"
     restored = [int(s) for s, _ in history(tracker, "restored_from_step")]
-    assert restored and restored[0] >= 10, restored
+    assert restored and restored[0] >= 20, restored
     first: dict[int, float] = {}
     for s, v in history(tracker, "loss"):
         if s in first:
