@@ -217,6 +217,11 @@ class TokenizeConfig(Section):
     """Most sequences per output shard (each corpus row group starts its own shards)."""
     num_workers: int | None = None
     """Tokenizer actors (each loads the SentencePiece model once, one CPU each); None: one per CPU of the cluster."""
+    segment_pairs: bool = False
+    """ALBERT's sentence-order data: each row is `[CLS] A [SEP] B [SEP]`, two consecutive spans of one document,
+    swapped with probability 0.5 (seeded by `seed`), with a `sop_label` column (1: swapped)."""
+    seed: int = 0
+    """Seed of the segment-pair swaps."""
 
     HOW: ClassVar[frozenset[str]] = frozenset({"num_workers"})
 
@@ -263,6 +268,9 @@ class PretrainConfig(Section):
     sg(E_G) + E_delta), "es" (one table both losses update) or "nes" (two tables)."""
     generator_layers: int | None = None
     """Generator depth (objective=rtd); None: half the discriminator's (Table 10)."""
+    sop: bool = False
+    """ALBERT's sentence-order prediction as a second loss: reads the `sop_label` of token shards written with
+    tokenize.segment_pairs=true ([CLS] A [SEP] B [SEP], B before A half of the time)."""
     mlm_probability: float = 0.15
     """Share of non-special tokens that become MLM targets."""
     max_ngram: int = 3
@@ -491,6 +499,8 @@ def validate(cfg: PipelineConfig) -> None:
            f"model.vocab_size={m.vocab_size} embedding rows < tokenizer length {tokenizer_len} "
            f"(vocab.vocab_size + [MASK]); set model.vocab_size >= {tokenizer_len} (the reference pads 128,001 to 128,100)")
     p = cfg.pretrain
+    _check(not p.sop or t.segment_pairs, "pretrain.sop=true needs segment pairs in the token shards; set "
+                                         "tokenize.segment_pairs=true (or pretrain.sop=false)")
     _check(p.objective != "rtd" or p.generator_layers is None or p.generator_layers <= m.num_hidden_layers,
            f"pretrain.generator_layers={p.generator_layers} is deeper than the discriminator "
            f"(model.num_hidden_layers={m.num_hidden_layers}); DeBERTaV3 uses half the depth (generator_layers=none)")

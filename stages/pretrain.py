@@ -110,7 +110,9 @@ def _trainer(cfg: PretrainConfig, job: "LoopJob", train_files: list[str], ctx: S
     from stages.pretrain_loop import train_loop_per_worker
 
     with quiet_data():
-        train = ray.data.read_parquet(train_files, columns=["input_ids"])
+        from stages.pretrain_loop import shard_columns
+
+        train = ray.data.read_parquet(train_files, columns=shard_columns(cfg))
         if cfg.global_shuffle:  # seeded: every execution (epoch, restart) yields the same permutation
             train = train.random_shuffle(seed=cfg.seed)
         datasets = {"train": train}

@@ -123,16 +123,37 @@ def build_engine(job: LoopJob, use_gpu: bool) -> Engine:
     return make_engine(job.cfg, job.model, job.ds_config, "nccl" if use_gpu else "gloo")
 
 
-def to_ids(batch: dict[str, np.ndarray]) -> torch.Tensor:
-    """Ray Data numpy batch -> (B, T) int64 token ids (uint32 on disk)."""
+SOP_COLUMN = "sop_label"
+"""Column of token shards written with tokenize.segment_pairs (1: the two segments are swapped)."""
+
+
+def shard_columns(cfg: PretrainConfig) -> list[str]:
+    return ["input_ids", SOP_COLUMN] if cfg.sop else ["input_ids"]
+
+
+def to_batch(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """Ray Data numpy batch -> {"input_ids": (B, T) int64 (uint32 on disk), and "sop_labels": (B,) with SOP}."""
     ids = batch["input_ids"]
     if ids.dtype == object:  # list columns may arrive as an array of arrays
         ids = np.stack(ids)
-    return torch.from_numpy(ids.astype(np.int64))  # (B, T)
+    out = {"input_ids": torch.from_numpy(ids.astype(np.int64))}  # (B, T)
+    if SOP_COLUMN in batch:
+        out["sop_labels"] = torch.from_numpy(np.asarray(batch[SOP_COLUMN]).astype(np.int64))  # (B,)
+    return out
 
 
-def micro_batches(shard, job: LoopJob, rank: int, state: TrainState) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """Endless (epoch, index in epoch, ids) over the worker's shard, starting at the saved data position."""
+def forward(engine, masker: SpanMasker, batch: dict[str, torch.Tensor], step: int, **extra) -> dict[str, torch.Tensor]:
+    """Mask the batch (a pure function of `step`) and run the engine on it."""
+    ids = batch["input_ids"]
+    masked, labels = masker(ids, step=step)  # (B, T) each
+    if "sop_labels" in batch:
+        extra["sop_labels"] = batch["sop_labels"].to(engine.device)
+    return engine(input_ids=masked.to(engine.device), attention_mask=(ids != 0).to(engine.device),
+                  labels=labels.to(engine.device), **extra)
+
+
+def micro_batches(shard, job: LoopJob, rank: int, state: TrainState) -> Iterator[tuple[int, int, dict]]:
+    """Endless (epoch, index in epoch, batch) over the worker's shard, starting at the saved data position."""
     epoch, skip = state.epoch, state.batch_in_epoch
     while True:
         it = shard.iter_batches(batch_size=job.cfg.micro_batch_size, batch_format="numpy", drop_last=True,
@@ -141,7 +162,7 @@ def micro_batches(shard, job: LoopJob, rank: int, state: TrainState) -> Iterator
         n = 0
         for batch in it:
             if n >= skip:
-                yield epoch, n, to_ids(batch)
+                yield epoch, n, to_batch(batch)
             n += 1
         if n == 0:
             raise RuntimeError(f"worker {rank}: the train shard holds fewer than micro_batch_size="
@@ -157,7 +178,7 @@ def all_reduce_sum(values: list[float], device) -> list[float]:
     return t.tolist()
 
 
-def validation_batches(job: LoopJob, rank: int, world: int) -> list[torch.Tensor]:
+def validation_batches(job: LoopJob, rank: int, world: int) -> list[dict[str, torch.Tensor]]:
     """This worker's slice of a fixed sample of eval_batches x micro x world validation sequences, read once.
 
     The sample is drawn uniformly from the whole validation split (seeded by `seed`), not its first rows: the
@@ -173,31 +194,34 @@ def validation_batches(job: LoopJob, rank: int, world: int) -> list[torch.Tensor
     total = dataset.count_rows()
     want = min(total, job.cfg.eval_batches * micro * world)
     picked = np.sort(np.random.default_rng(job.cfg.seed).choice(total, size=want, replace=False))
-    table = dataset.take(pa.array(picked, type=pa.int64()), columns=["input_ids"])
+    table = dataset.take(pa.array(picked, type=pa.int64()), columns=shard_columns(job.cfg))
     per_rank = len(table) // world // micro * micro
     if per_rank == 0:
         raise RuntimeError(f"the validation split has {len(table)} sequences, fewer than micro_batch_size x workers "
                            f"= {micro * world}; tokenize more validation text")
-    rows = table.slice(rank * per_rank, per_rank).column("input_ids").combine_chunks()
+    mine = table.slice(rank * per_rank, per_rank)
+    rows = mine.column("input_ids").combine_chunks()
     ids = torch.from_numpy(np.asarray(rows.flatten()).astype(np.int64)).view(per_rank, job.seq_len)  # (N, T)
-    return list(ids.split(micro))
+    batches = [{"input_ids": chunk} for chunk in ids.split(micro)]
+    if job.cfg.sop:
+        sop = torch.from_numpy(mine.column(SOP_COLUMN).to_numpy().astype(np.int64))  # (N,)
+        for batch, labels in zip(batches, sop.split(micro)):
+            batch["sop_labels"] = labels
+    return batches
 
 
-def evaluate(engine, batches: list[torch.Tensor], masker: SpanMasker, cfg: PretrainConfig, rank: int,
+def evaluate(engine, batches: list[dict[str, torch.Tensor]], masker: SpanMasker, cfg: PretrainConfig, rank: int,
              world: int) -> dict[str, float]:
     """Validation numbers of the objective on this worker's batches, summed over all workers. Masks (and RTD's
     generator draws) are fixed across evaluations."""
     engine.eval()
     sums: list[float] = []
     with torch.no_grad():
-        for i, ids in enumerate(batches):
+        for i, batch in enumerate(batches):
             step = EVAL_MASK_OFFSET + i * world + rank
-            masked, labels = masker(ids, step=step)
             extra = {"generator": step} if cfg.objective == "rtd" else {}
-            out = engine(input_ids=masked.to(engine.device), attention_mask=(ids != 0).to(engine.device),
-                         labels=labels.to(engine.device), **extra)
-            batch = objectives.eval_sums(cfg.objective, out)
-            sums = [a + b for a, b in zip(sums, batch)] if sums else batch
+            these = objectives.eval_sums(cfg, forward(engine, masker, batch, step, **extra))
+            sums = [a + b for a, b in zip(sums, these)] if sums else these
     engine.train()
     return objectives.eval_metrics(cfg, all_reduce_sum(sums, engine.device))
 
@@ -282,24 +306,22 @@ class Throughput:
 
 
 def train_step(engine, batches, masker: SpanMasker, state: TrainState, accum: int, rank: int, world: int,
-               objective: str) -> dict[str, float]:
+               cfg: PretrainConfig) -> dict[str, float]:
     """One optimizer step (accum micro-batches); advances the data position. Returns this rank's means of the
     loss and the objective's step metrics, and the learning rate the step used."""
-    keys = ("loss", *objectives.STEP_METRICS[objective])
+    keys = ("loss", *objectives.step_metrics(cfg))
     sums = dict.fromkeys(keys, 0.0)
     lr = engine.lr  # before the step: the rate this step trains with
     # dropout (and RTD's draws) use the global torch RNG: reseeding per (step, rank) makes a resumed step identical
     torch.manual_seed((masker.seed * 1_000_003 + state.step) * 1_009 + rank)
     for micro in range(accum):
-        state.epoch, index, ids = next(batches)
+        state.epoch, index, batch = next(batches)
         state.batch_in_epoch = index + 1
-        masked, labels = masker(ids, step=(state.step * accum + micro) * world + rank)  # (B, T) each
-        out = engine(input_ids=masked.to(engine.device), attention_mask=(ids != 0).to(engine.device),
-                     labels=labels.to(engine.device))
+        out = forward(engine, masker, batch, step=(state.step * accum + micro) * world + rank)
         engine.backward(out["loss"])
         engine.step()  # DeepSpeed steps the optimizer and scheduler at the accumulation boundary only
-        for k in keys:
-            sums[k] += float(out[k].detach())
+        for k, v in objectives.step_values(out, keys).items():
+            sums[k] += v
     state.step += 1
     return {**{k: v / accum for k, v in sums.items()}, "lr": lr}
 
@@ -326,7 +348,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     batches = micro_batches(ray.train.get_dataset_shard("train"), job, rank, state)
     timer, last_eval, first_step = Throughput(job, world, state.step), {}, state.step
     while state.step < cfg.max_steps:
-        step = train_step(engine, batches, masker, state, accum, rank, world, cfg.objective)
+        step = train_step(engine, batches, masker, state, accum, rank, world, cfg)
         timer.step()
         done = state.step == cfg.max_steps
         if state.step % cfg.log_interval == 0 or done:
@@ -334,7 +356,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             means = dict(zip(step, (v / world for v in all_reduce_sum(list(step.values()), engine.device))))
             metrics = {**means, "lr": lr, "grad_norm": engine.grad_norm, "epoch": state.epoch,
                        **timer.read(state.step)}
-            parts = "".join(f" {k} {means[k]:.4f}" for k in ("mlm_loss", "rtd_loss", "rtd_accuracy") if k in means)
+            parts = "".join(f" {k} {means[k]:.4f}" for k in ("mlm_loss", "rtd_loss", "rtd_accuracy", "sop_accuracy")
+                            if k in means)
             out.print(f"step {state.step}/{cfg.max_steps} loss {metrics['loss']:.4f}{parts} lr {lr:.3e} "
                       f"tokens/s {metrics['tokens_per_s']:,.0f} ETA {metrics['eta_s'] / 60:.1f} min")
             out.log({k: None if v is None else float(v) for k, v in metrics.items()}, step=state.step)

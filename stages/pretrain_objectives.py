@@ -28,8 +28,25 @@ from deberta.masking import SpanMasker
 from pipeline.config import PretrainConfig
 
 RTD_FILE = "rtd.json"
-STEP_METRICS = {"mlm": (), "rtd": ("mlm_loss", "rtd_loss", "rtd_accuracy", "replaced_fraction", "generator_accuracy")}
-"""Per-step numbers logged besides `loss`, averaged over micro-batches and workers."""
+OBJECTIVE_METRICS = {"mlm": (), "rtd": ("mlm_loss", "rtd_loss", "rtd_accuracy", "replaced_fraction",
+                                         "generator_accuracy")}
+
+
+def step_metrics(cfg: PretrainConfig) -> tuple[str, ...]:
+    """Per-step numbers logged besides `loss`, averaged over micro-batches and workers."""
+    sop = ("mlm_loss", "sop_loss", "sop_accuracy") if cfg.sop else ()
+    return tuple(dict.fromkeys((*OBJECTIVE_METRICS[cfg.objective], *sop)))
+
+
+def step_values(out: dict[str, torch.Tensor], keys: tuple[str, ...]) -> dict[str, float]:
+    """The step metrics of one micro-batch from the model's outputs (SOP accuracy from its counts)."""
+    values = {}
+    for k in keys:
+        if k == "sop_accuracy":
+            values[k] = float(out["sop_correct"]) / max(float(out["sop_count"]), 1.0)
+        else:
+            values[k] = float(out[k].detach())
+    return values
 
 
 def build_model(cfg: PretrainConfig, model: DebertaConfig) -> tuple[Callable[[], nn.Module],
@@ -39,11 +56,11 @@ def build_model(cfg: PretrainConfig, model: DebertaConfig) -> tuple[Callable[[],
         from deberta.rtd import RTDPretrainer, rtd_init_weights
 
         return (lambda: RTDPretrainer(model, generator_layers=cfg.generator_layers,
-                                      embedding_sharing=cfg.embedding_sharing, rtd_weight=cfg.rtd_weight),
+                                      embedding_sharing=cfg.embedding_sharing, rtd_weight=cfg.rtd_weight, sop=cfg.sop),
                 lambda m: rtd_init_weights(m, model))
     from deberta.model import DebertaForMaskedLM, init_weights
 
-    return lambda: DebertaForMaskedLM(model), lambda m: init_weights(m, model)
+    return lambda: DebertaForMaskedLM(model, sop=cfg.sop), lambda m: init_weights(m, model)
 
 
 def make_masker(cfg: PretrainConfig, tokenizer_len: int, mask_id: int, special_ids, word_start) -> SpanMasker:
@@ -54,14 +71,18 @@ def make_masker(cfg: PretrainConfig, tokenizer_len: int, mask_id: int, special_i
                       max_ngram=cfg.max_ngram, seed=cfg.seed)
 
 
-def eval_sums(objective: str, out: dict[str, torch.Tensor]) -> list[float]:
+def eval_sums(cfg: PretrainConfig, out: dict[str, torch.Tensor]) -> list[float]:
     """One validation batch's sums (added over batches and workers, then turned into `eval_metrics`)."""
     n = float(out["num_targets"])
-    if objective == "rtd":
+    mlm = float(out["mlm_loss"] if "mlm_loss" in out else out["loss"])
+    sums = [mlm * n, n, float(out["generator_correct"] if cfg.objective == "rtd" else out["correct"])]
+    if cfg.objective == "rtd":
         tokens = float(out["num_tokens"])
-        return [float(out["mlm_loss"]) * n, n, float(out["generator_correct"]),
-                float(out["rtd_loss"]) * tokens, tokens, float(out["rtd_correct"]), float(out["num_replaced"])]
-    return [float(out["loss"]) * n, n, float(out["correct"])]
+        sums += [float(out["rtd_loss"]) * tokens, tokens, float(out["rtd_correct"]), float(out["num_replaced"])]
+    if cfg.sop:
+        count = float(out["sop_count"])
+        sums += [float(out["sop_loss"]) * count, count, float(out["sop_correct"])]
+    return sums
 
 
 def eval_metrics(cfg: PretrainConfig, sums: list[float]) -> dict[str, float]:
@@ -69,13 +90,19 @@ def eval_metrics(cfg: PretrainConfig, sums: list[float]) -> dict[str, float]:
     mlm = loss_sum / max(targets, 1.0)
     metrics = {"val_loss": mlm, "val_accuracy": correct / max(targets, 1.0), "val_perplexity": math.exp(min(mlm, 50.0)),
                "val_targets": targets}
+    rest = sums[3:]
     if cfg.objective == "rtd":
-        rtd_sum, tokens, rtd_correct, replaced = sums[3:]
+        (rtd_sum, tokens, rtd_correct, replaced), rest = rest[:4], rest[4:]
         rtd = rtd_sum / max(tokens, 1.0)
         metrics.update(val_loss=mlm + cfg.rtd_weight * rtd, val_mlm_loss=mlm, val_rtd_loss=rtd,
                        val_rtd_accuracy=rtd_correct / max(tokens, 1.0),
                        val_all_original_accuracy=1.0 - replaced / max(tokens, 1.0),
                        val_replaced_fraction=replaced / max(targets, 1.0))
+    if cfg.sop:
+        sop_sum, count, sop_correct = rest
+        metrics.update(val_mlm_loss=mlm, val_sop_loss=sop_sum / max(count, 1.0),
+                       val_sop_accuracy=sop_correct / max(count, 1.0))
+        metrics["val_loss"] += metrics["val_sop_loss"]
     return metrics
 
 
@@ -86,8 +113,8 @@ def train_flops_per_token(cfg: PretrainConfig, model: DebertaConfig, seq_len: in
         from deberta.rtd import generator_config
 
         return flops.rtd_train_flops_per_token(model, seq_len, generator_config(model, cfg.generator_layers),
-                                               target_fraction=cfg.mlm_probability)
-    return flops.train_flops_per_token(model, seq_len, target_fraction=cfg.mlm_probability)
+                                               target_fraction=cfg.mlm_probability, sop=cfg.sop)
+    return flops.train_flops_per_token(model, seq_len, target_fraction=cfg.mlm_probability, sop=cfg.sop)
 
 
 def parameter_counts(cfg: PretrainConfig, model: DebertaConfig) -> dict[str, int]:
@@ -109,15 +136,17 @@ def write_models(out: Path, cfg: PretrainConfig, model: DebertaConfig, state_dic
     """model/ (ours, what fine-tuning reads), hf/ (transformers, with the tokenizer) and for RTD rtd/ (both
     models, ours) and generator/ (the generator as HF `DebertaV2ForMaskedLM`). Returns a note on the exports."""
     from deberta import checkpoint, hf
-    from deberta.model import DebertaForMaskedLM, DebertaModel
+    from deberta.model import DebertaForMaskedLM, DebertaModel, unshared_state_dict
 
+    flat = model.replace(share_layers="none")  # HF has no shared layers: export the same model, weights copied out
     if cfg.objective != "rtd":
         checkpoint.save(state_dict, model, out / "model")
-        mlm = DebertaForMaskedLM(model)
-        if missing := checkpoint.load_into(mlm, out / "model"):
+        if missing := checkpoint.load_into(DebertaForMaskedLM(model, sop=cfg.sop), out / "model"):
             raise RuntimeError(f"consolidated checkpoint lacks {missing}")
+        mlm = DebertaForMaskedLM(flat)
+        mlm.load_state_dict(unshared_state_dict(state_dict, model), strict=False)  # the SOP head stays ours
         hf.save_pretrained(mlm, out / "hf", vocab_dir=vocab_dir)
-        return "hf/ DebertaV2ForMaskedLM"
+        return "hf/ DebertaV2ForMaskedLM" + (" (shared layers copied out)" if flat != model else "")
     from deberta.rtd import discriminator_weights, generator_config, generator_weights
 
     checkpoint.save(state_dict, model, out / "rtd")
@@ -125,19 +154,19 @@ def write_models(out: Path, cfg: PretrainConfig, model: DebertaConfig, state_dic
         {"embedding_sharing": cfg.embedding_sharing, "generator_layers": cfg.generator_layers,
          "rtd_weight": cfg.rtd_weight}, indent=2) + "\n")
     checkpoint.save(discriminator_weights(state_dict, cfg.embedding_sharing, with_head=True), model, out / "model")
-    disc = DebertaModel(model)
-    disc.load_state_dict(discriminator_weights(state_dict, cfg.embedding_sharing))
+    disc = DebertaModel(flat)
+    disc.load_state_dict(unshared_state_dict(discriminator_weights(state_dict, cfg.embedding_sharing), model))
     hf.save_pretrained(disc, out / "hf", vocab_dir=vocab_dir)
     gen_cfg = generator_config(model, cfg.generator_layers)
-    gen = DebertaForMaskedLM(gen_cfg)
-    gen.load_state_dict(generator_weights(state_dict))
+    gen = DebertaForMaskedLM(gen_cfg.replace(share_layers="none"))
+    gen.load_state_dict(unshared_state_dict(generator_weights(state_dict), gen_cfg))
     hf.save_pretrained(gen, out / "generator", vocab_dir=vocab_dir)
     return f"hf/ discriminator (DebertaV2Model, {cfg.embedding_sharing} embeddings merged), generator/ DebertaV2ForMaskedLM"
 
 
 def objective_tags(cfg: PretrainConfig) -> dict[str, Any]:
     """Registry tags of the pretrained model version."""
-    tags: dict[str, Any] = {"objective": cfg.objective}
+    tags: dict[str, Any] = {"objective": cfg.objective, **({"sop": True} if cfg.sop else {})}
     if cfg.objective == "rtd":
         tags.update(embedding_sharing=cfg.embedding_sharing, rtd_weight=cfg.rtd_weight)
     return tags
