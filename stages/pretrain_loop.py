@@ -35,6 +35,7 @@ from deberta.masking import SpanMasker
 from cluster.engine import Engine, OptimSpec, build
 from pipeline.config import PretrainConfig
 from stages import pretrain_objectives as objectives
+from stages.segment_pairs import SOP_COLUMN
 
 STATE_FILE = "train_state.json"
 """Written by rank 0 next to DeepSpeed's files in every checkpoint: tag, step and data position."""
@@ -121,10 +122,6 @@ def build_engine(job: LoopJob, use_gpu: bool) -> Engine:
 
         torch.cuda.set_device(ray.train.torch.get_device())  # the GPU Ray assigned to this worker
     return make_engine(job.cfg, job.model, job.ds_config, "nccl" if use_gpu else "gloo")
-
-
-SOP_COLUMN = "sop_label"
-"""Column of token shards written with tokenize.segment_pairs (1: the two segments are swapped)."""
 
 
 def shard_columns(cfg: PretrainConfig) -> list[str]:

@@ -68,13 +68,15 @@ def export_hf(model_dir: Path, hf_dir: Path, task: TaskRef, dropout: float) -> N
 
     from deberta import hf
     from deberta.config import DebertaConfig
-    from deberta.model import DebertaForSequenceClassification
+    from deberta.model import DebertaForSequenceClassification, unshared_state_dict
 
     head = json.loads((model_dir / "finetune.json").read_text())
     cfg = DebertaConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
-    model = DebertaForSequenceClassification(cfg, num_labels=head["num_labels"], classifier_dropout=dropout,
-                                             sift=head["sift"])
-    model.load_state_dict(torch.load(model_dir / "model.pt", map_location="cpu", weights_only=True))
+    state = torch.load(model_dir / "model.pt", map_location="cpu", weights_only=True)
+    # HF layers own their weights: a model with ALBERT's shared layers is exported as its unshared copy
+    model = DebertaForSequenceClassification(cfg.replace(share_layers="none"), num_labels=head["num_labels"],
+                                             classifier_dropout=dropout, sift=head["sift"])
+    model.load_state_dict(unshared_state_dict(state, cfg))
     # HF has no place for SiFT's parameter-free normalisation of the embeddings: the export drops it (logits move
     # by ~1e-6 relative at this scale; measured in tests/unit/test_hf_interop.py)
     hf.save_pretrained(model.eval(), hf_dir, vocab_dir=model_dir / "tokenizer", labels=task.labels,
