@@ -37,10 +37,10 @@ import pyarrow.parquet as pq  # noqa: E402
 from pipeline.artifacts import Artifact  # noqa: E402
 from pipeline.config import TokenizeConfig, VocabConfig  # noqa: E402
 from pipeline.datasets import materialize_corpus  # noqa: E402
+from pipeline.tokenizer import Tokenizer  # noqa: E402
 from stages import tokenize as tokenize_stage  # noqa: E402
 from stages import vocab as vocab_stage  # noqa: E402
 from stages.base import StageContext  # noqa: E402
-from stages.vocab import Tokenizer  # noqa: E402
 
 
 def write_corpus(root: Path, docs: list[tuple[str, str]], rows_per_shard: int) -> tuple[Artifact, list[str]]:

@@ -1,8 +1,10 @@
 """Tokenize stage: corpus shards -> packed, fixed-length uint32 token sequences on Ray Data.
 
 Both splits stream through one `from_items(row groups) -> map_batches(PackDocuments)` pass. `PackDocuments` is an
-actor (one CPU each, `TokenizeConfig.num_workers` of them) that loads the SentencePiece model once, from bytes
-shipped with it, streams its Parquet row groups and writes their shards; only shard names and counts come back.
+actor (one CPU each, `TokenizeConfig.num_workers` of them, never more than there are row groups: with fewer row
+groups each actor takes the CPUs of the missing ones and encodes with as many SentencePiece threads) that loads
+the SentencePiece model once, from bytes shipped with it, encodes a batch of documents per SentencePiece call,
+packs on numpy buffers and writes its shards itself; only shard names and counts come back.
 Like any Ray write to a path, the workdir must be reachable from every node (local disk on one node, NFS, ...).
 
 Boundary policy (RoBERTa's FULL-SENTENCES packing, [SEP] between documents): within one batch of `batch_size`
@@ -13,9 +15,13 @@ batch is shorter: it is framed the same way and then padded with [PAD]=0 to `max
 batch boundaries, so there is at most one padded sequence per batch of documents (for 256 news articles: under
 0.5% padding), and memory stays bounded by one batch.
 
+With `segment_pairs` (ALBERT's sentence-order prediction) rows are instead `[CLS] A [SEP] B [SEP]` pairs of one
+document each (`stages.segment_pairs`), padded to `max_seq_len`, with a `sop_label` column (1: swapped).
+
 Output: train/ and validation/ Parquet shards with columns
   input_ids: fixed_size_list<uint32>[max_seq_len]  (uint32: 128K ids do not fit uint16)
   length:    int32, tokens before the padding ([CLS] and [SEP] included), so attention masks need no scan
+  sop_label: int8, with segment_pairs only
 Shard i of corpus row group u is <split>/part-<u>-<i>.parquet (at most `rows_per_shard` sequences), so the same
 inputs give the same files. tokens.json (per split: documents, sequences, tokens, padding, files) holds the counts
 the manifest records.
@@ -33,17 +39,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from stages.base import StageContext, StageInputError, StageResult
-from stages.vocab import SPLITS, Tokenizer, split_files
+from pipeline.tokenizer import Tokenizer
+from stages.base import StageContext, StageResult
+from stages.segment_pairs import SOP_COLUMN, document_rng, segment_pairs
+from stages.vocab import SPLITS, split_files
 
-if TYPE_CHECKING:  # pipeline.config imports the model (torch): too heavy for the tokenizer actors
+if TYPE_CHECKING:
     from pipeline.artifacts import Artifact
     from pipeline.config import TokenizeConfig
 
-NAME = "tokenize"
-VERSION = "1"
+VERSION = "2"  # 2: row groups of ROW_GROUP_ROWS sequences (1: one per batch of documents); same sequences
 
 SUMMARY_FILE = "tokens.json"
+ROW_GROUP_ROWS = 1024  # sequences per Parquet row group: 2 MiB of ids at 512 tokens
 
 
 def pack(docs: Sequence[Sequence[int]], max_seq_len: int, cls_id: int, sep_id: int,
@@ -68,10 +76,14 @@ def pack(docs: Sequence[Sequence[int]], max_seq_len: int, cls_id: int, sep_id: i
     return rows, lengths
 
 
-def to_table(rows: np.ndarray, lengths: np.ndarray) -> pa.Table:
-    """(n, L) uint32 rows -> the output schema: input_ids fixed_size_list<uint32>[L], length int32."""
+def to_table(rows: np.ndarray, lengths: np.ndarray, sop_labels: np.ndarray | None = None) -> pa.Table:
+    """(n, L) uint32 rows -> the output schema: input_ids fixed_size_list<uint32>[L], length int32 (and with
+    segment pairs sop_label int8)."""
     ids = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1), type=pa.uint32()), rows.shape[1])
-    return pa.table({"input_ids": ids, "length": pa.array(lengths, type=pa.int32())})
+    columns = {"input_ids": ids, "length": pa.array(lengths, type=pa.int32())}
+    if sop_labels is not None:
+        columns[SOP_COLUMN] = pa.array(sop_labels, type=pa.int8())
+    return pa.table(columns)
 
 
 class PackDocuments:
@@ -84,10 +96,13 @@ class PackDocuments:
     names that depend only on the input (Ray's carry a random write uuid); a retried unit rewrites the same files.
     """
 
-    def __init__(self, tokenizer: Tokenizer, max_seq_len: int, batch_size: int, rows_per_shard: int, out: str):
+    def __init__(self, tokenizer: Tokenizer, max_seq_len: int, batch_size: int, rows_per_shard: int, out: str,
+                 threads: int = 1, segment_pairs: bool = False, seed: int = 0):
         self.tok = tokenizer  # unpickled here from its model bytes: one load per actor
         self.max_seq_len, self.batch_size, self.rows_per_shard = max_seq_len, batch_size, rows_per_shard
         self.out = Path(out)
+        self.threads = threads
+        self.segment_pairs, self.seed = segment_pairs, seed
 
     def __call__(self, units: dict[str, np.ndarray]) -> dict[str, list]:
         shards: dict[str, list] = {"split": [], "file": [], "sequences": [], "tokens": [], "cpu_seconds": []}
@@ -99,45 +114,90 @@ class PackDocuments:
 
     def packed_batches(self, path: str, row_group: int) -> Iterator[pa.Table]:
         reader = pq.ParquetFile(path)
-        for batch in reader.iter_batches(batch_size=self.batch_size, row_groups=[row_group], columns=["text"]):
-            texts = [t or "" for t in batch.column("text").to_pylist()]
-            ids = self.tok.encode_arrays(texts, num_threads=1)  # one actor = one core; Ray adds the parallelism
-            yield to_table(*pack(ids, self.max_seq_len, self.tok.cls_id, self.tok.sep_id, self.tok.pad_id))
+        columns = ["doc_id", "text"] if self.segment_pairs else ["text"]
+        for batch in reader.iter_batches(batch_size=self.batch_size, row_groups=[row_group], columns=columns):
+            texts = pc.fill_null(batch.column("text"), "").to_pylist()
+            ids = self.tok.encode_arrays(texts, num_threads=self.threads)  # SentencePiece's own thread pool
+            if self.segment_pairs:
+                yield self.pair_table(batch.column("doc_id").to_pylist(), ids)
+            else:
+                yield to_table(*pack(ids, self.max_seq_len, self.tok.cls_id, self.tok.sep_id, self.tok.pad_id))
+
+    def pair_table(self, doc_ids: list[str], ids: list[np.ndarray]) -> pa.Table:
+        """tokenize.segment_pairs: every document's sentence-order pairs (`stages.segment_pairs`), one per row."""
+        parts = [segment_pairs(d, self.max_seq_len, self.tok.cls_id, self.tok.sep_id, self.tok.pad_id,
+                               document_rng(self.seed, doc_id)) for doc_id, d in zip(doc_ids, ids)]
+        rows, lengths, labels = (np.concatenate([p[i] for p in parts]) for i in range(3))
+        return to_table(rows.reshape(-1, self.max_seq_len), lengths, labels)
 
     def tokenize_unit(self, split: str, path: str, row_group: int,
                       unit: int) -> Iterator[tuple[str, int, int, float]]:
-        """Write the unit's sequences as <split>/part-<unit>-<k>.parquet; yields (file, sequences, tokens, cpu s)."""
-        writer, name, rows, tokens, k = None, "", 0, 0, 0
-        cpu = time.process_time()
+        """Write the unit's sequences as <split>/part-<unit>-<k>.parquet; yields (file, sequences, tokens, cpu s).
+
+        Packed batches are buffered up to ROW_GROUP_ROWS sequences per Parquet row group (one row group per
+        batch would repeat the vocabulary's dictionary page every ~80 sequences), so memory stays at one
+        row group plus one batch whatever `rows_per_shard` is.
+        """
+        shard: _Shard | None = None
+        k, cpu = 0, time.process_time()  # a shard's CPU time includes encoding its first batch
         for table in self.packed_batches(path, row_group):
             while len(table):
-                if writer is None:
-                    name = f"{split}/part-{unit:05d}-{k:03d}.parquet"
-                    # Dictionary encoding alone already packs ids to ~log2(vocab) bits; snappy on top saved no
-                    # bytes on news text but doubled the write's CPU time (~10% of the encode's).
-                    writer = pq.ParquetWriter(self.out / name, table.schema, compression="none")
-                take = min(len(table), self.rows_per_shard - rows)
-                part, table = table.slice(0, take), table.slice(take)
-                writer.write_table(part)
-                rows += take
-                tokens += int(pc.sum(part.column("length")).as_py())
-                if rows == self.rows_per_shard:
-                    writer.close()
-                    yield name, rows, tokens, time.process_time() - cpu
-                    writer, rows, tokens, k, cpu = None, 0, 0, k + 1, time.process_time()
-        if writer is not None:
-            writer.close()
-            yield name, rows, tokens, time.process_time() - cpu
+                if shard is None:
+                    shard = _Shard(self.out, f"{split}/part-{unit:05d}-{k:03d}.parquet", table.schema, cpu)
+                take = min(len(table), self.rows_per_shard - shard.rows)
+                shard.add(table.slice(0, take))
+                table = table.slice(take)
+                if shard.rows == self.rows_per_shard:
+                    yield shard.close()
+                    shard, k, cpu = None, k + 1, time.process_time()
+        if shard is not None:
+            yield shard.close()
+
+
+class _Shard:
+    """One output file being written: whole row groups of ROW_GROUP_ROWS sequences, its counts and CPU time."""
+
+    def __init__(self, out: Path, name: str, schema: pa.Schema, cpu_start: float):
+        self.name, self.rows, self.tokens, self.cpu = name, 0, 0, cpu_start
+        # Dictionary encoding alone already packs ids to ~log2(vocab) bits; snappy on top saved no
+        # bytes on news text but doubled the write's CPU time (~10% of the encode's).
+        self.writer = pq.ParquetWriter(out / name, schema, compression="none")
+        self.pending: list[pa.Table] = []
+
+    def add(self, part: pa.Table) -> None:
+        self.pending.append(part)
+        self.rows += len(part)
+        self.tokens += int(pc.sum(part.column("length")).as_py())
+        if sum(len(t) for t in self.pending) >= ROW_GROUP_ROWS:
+            table = pa.concat_tables(self.pending)
+            whole = len(table) // ROW_GROUP_ROWS * ROW_GROUP_ROWS
+            self.writer.write_table(table.slice(0, whole), row_group_size=ROW_GROUP_ROWS)
+            self.pending = [table.slice(whole)]
+
+    def _flush(self) -> None:
+        if sum(len(t) for t in self.pending):
+            self.writer.write_table(pa.concat_tables(self.pending), row_group_size=ROW_GROUP_ROWS)
+        self.pending = []
+
+    def close(self) -> tuple[str, int, int, float]:
+        self._flush()
+        self.writer.close()
+        return self.name, self.rows, self.tokens, time.process_time() - self.cpu
 
 
 def num_workers(cfg: TokenizeConfig) -> int:
     import ray
 
     if cfg.num_workers is not None:
-        if cfg.num_workers < 1:
-            raise StageInputError(f"tokenize.num_workers={cfg.num_workers}: use at least 1 (or none for one per CPU)")
         return cfg.num_workers
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+def largest_node_cpus() -> int:
+    """CPUs of the biggest live node: the most one actor can reserve."""
+    import ray
+
+    return max([int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("Alive")] or [1])
 
 
 def row_groups(files: dict[str, Sequence[Path]]) -> list[dict]:
@@ -161,10 +221,17 @@ def tokenize_splits(files: dict[str, Sequence[Path]], tok: Tokenizer, cfg: Token
         (out / split).mkdir()
     units = row_groups(files)
     ds = ray.data.from_items(units, override_num_blocks=len(units))
-    ds = ds.map_batches(PackDocuments, batch_size=1, batch_format="numpy", concurrency=workers, num_cpus=1,
+    # Workers sized to cores: an actor per unit at most (another would only pay its start-up), and when
+    # units are fewer than workers each actor encodes with the threads (and CPUs) of the ones not started.
+    # Several units per call (about four calls per actor) keep Ray's per-call scheduling out of the way.
+    actors = min(workers, len(units))
+    threads = max(1, min(workers // actors, largest_node_cpus()))
+    ds = ds.map_batches(PackDocuments, batch_size=max(1, len(units) // (4 * actors)), batch_format="numpy",
+                        concurrency=actors, num_cpus=threads,
                         fn_constructor_kwargs={"tokenizer": tok, "max_seq_len": cfg.max_seq_len,
                                                "batch_size": cfg.batch_size, "rows_per_shard": cfg.rows_per_shard,
-                                               "out": str(out)})
+                                               "out": str(out), "threads": threads,
+                                               "segment_pairs": cfg.segment_pairs, "seed": cfg.seed})
     return sorted(ds.iter_rows(), key=lambda shard: shard["file"])  # names sort in input order
 
 
@@ -181,9 +248,6 @@ def summarize(files: Sequence[Path], shards: list[dict], max_seq_len: int) -> di
 
 
 def run(cfg: TokenizeConfig, *, inputs: dict[str, Artifact], out: Path, ctx: StageContext) -> StageResult:
-    if cfg.max_seq_len < 3 or cfg.rows_per_shard < 1 or cfg.batch_size < 1:
-        raise StageInputError(f"tokenize.max_seq_len={cfg.max_seq_len} (needs room for [CLS], a token and [SEP]), "
-                              f"batch_size={cfg.batch_size} and rows_per_shard={cfg.rows_per_shard} (>= 1)")
     tok = Tokenizer.load(inputs["vocab"].path)
     corpus_files = {split: split_files(inputs["corpus"], split, ["text"]) for split in SPLITS}  # fail before work
     workers = num_workers(cfg)

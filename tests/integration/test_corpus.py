@@ -20,8 +20,8 @@ import zstandard
 from pipeline.config import CorpusConfig
 from stages import corpus
 from stages.base import StageContext, StageInputError
-from stages.corpus_io import list_sources, read_file
-from stages.minhash import jaccard, normalize, shingle_set
+from stages.corpus.ingest import list_sources, read_file
+from stages.corpus.minhash import jaccard, normalize, shingle_set
 
 FIFTY_MB = 50 * 1024 * 1024
 
@@ -101,7 +101,7 @@ def run_stage(patterns, out: Path, **cfg) -> corpus.StageResult:
     out.mkdir(parents=True)
     ctx = StageContext(artifact_id="test", workdir=out.parent, scratch=out.parent / "scratch",
                        storage_path=str(out.parent / "ray"), tracker=None)
-    return corpus.run(CorpusConfig(**cfg), inputs={"raw": corpus.RawCorpus(tuple(patterns))}, out=out, ctx=ctx)
+    return corpus.run(CorpusConfig(**cfg), inputs={"raw": corpus.RawCorpus.of(patterns)}, out=out, ctx=ctx)
 
 
 # ---------------------------------------------------------------- ingest, no Ray
@@ -166,7 +166,14 @@ def test_counts_add_up_and_report_matches(first_run):
     report = json.loads((out / "report.json").read_text())
     assert report["counts"] == c and report["timings"]["total_s"] > 0
     assert json.loads((out / "examples.json").read_text())  # a few pairs for MLflow
-    assert set(result.log_files) == {"report.json", "examples.json"}
+    assert set(result.log_files) == {"report.json", "examples.json", "dedup.png"}
+    assert (out / "dedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    picture = report["dedup"]  # the numbers behind the plot agree with the counts
+    assert sum(picture["similarity_histogram"]["candidate_pairs"]) == c["candidate_pairs"]
+    assert sum(picture["similarity_histogram"]["confirmed_pairs"]) == c["near_pairs_confirmed"]
+    for sizes, removed, groups in (("exact_group_sizes", "exact_duplicates_removed", "exact_clusters"),
+                                   ("near_cluster_sizes", "near_duplicates_removed", "near_clusters")):
+        assert sum(int(k) * v for k, v in picture[sizes].items()) == c[removed] + c[groups]
     assert all(len(pq.read_table(f)) <= 100 for f in (out / "train").glob("*.parquet"))  # rows_per_shard
 
 
@@ -286,6 +293,27 @@ def test_same_survivors_across_batch_sizes_and_cpu_limits_and_rerun_is_noop(firs
     assert main(args) == 0
     assert "cached" in capsys.readouterr().out
     assert (out2 / "_SUCCESS").stat().st_mtime_ns == marker
+
+
+@pytest.mark.ray
+def test_the_stage_reads_exactly_the_sources_listed_once(planted, ray_local, tmp_path):
+    """RawCorpus carries the resolved files: one added after listing is not read (the id was computed without it)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    write_jsonl(src / "a.jsonl", planted["arts"][:6])
+    write_jsonl(src / "b.jsonl", planted["arts"][6:10])
+    raw = corpus.RawCorpus.of([str(src)])
+    assert [p for p, _, _ in raw.sources] == [str(src / "a.jsonl"), str(src / "b.jsonl")]
+    assert raw.patterns == (str(src),)
+    write_jsonl(src / "c.jsonl", planted["arts"][10:20])
+    out = tmp_path / "out"
+    out.mkdir()
+    ctx = StageContext(artifact_id="t", workdir=tmp_path, scratch=tmp_path / "s", storage_path=str(tmp_path),
+                       tracker=None)
+    counts = corpus.run(CorpusConfig(), inputs={"raw": raw}, out=out, ctx=ctx).counts
+    assert counts["files_in"] == 2 and counts["documents_in"] == 10
+    with pytest.raises(StageInputError, match="lists no files"):
+        corpus.RawCorpus(())
 
 
 @pytest.mark.ray

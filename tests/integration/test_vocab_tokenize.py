@@ -14,10 +14,10 @@ import pytest
 
 from pipeline.artifacts import ArtifactStore
 from pipeline.config import TokenizeConfig, VocabConfig
+from pipeline.tokenizer import Tokenizer
 from stages import tokenize as tokenize_stage
 from stages import vocab as vocab_stage
 from stages.base import StageContext, StageInputError
-from stages.vocab import Tokenizer
 
 TRAIN_DOCS, VALIDATION_DOCS = 360, 40
 VOCAB = VocabConfig(vocab_size=1_000, sample_documents=300, num_threads=2)
@@ -60,9 +60,10 @@ def make_ctx(store: ArtifactStore, workdir: Path, tracker, stage: str, art_id: s
 
 def build(store, workdir, tracker, module, cfg, inputs, art_id):
     """Run a stage the way the executor does: into a temp dir that becomes the artifact with a manifest."""
-    with store.building(module.NAME, art_id, {"stage": module.NAME}) as out:
-        result = module.run(cfg, inputs=inputs, out=out, ctx=make_ctx(store, workdir, tracker, module.NAME, art_id))
-    return store.find(module.NAME, art_id), result
+    name = module.__name__.rsplit(".", 1)[-1]  # the stage's name is its module's
+    with store.building(name, art_id, {"stage": name}) as out:
+        result = module.run(cfg, inputs=inputs, out=out, ctx=make_ctx(store, workdir, tracker, name, art_id))
+    return store.find(name, art_id), result
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +201,40 @@ def test_tokenize_is_deterministic(tokens, store, workdir, module_tracker, corpu
                      {"corpus": corpus, "vocab": vocab[0]}, "tokens-b")
     first, second = tokens[0].manifest["files"], again.manifest["files"]
     assert first == second
+
+
+def test_encoder_threads_do_not_change_the_shards(vocab, corpus, tmp_path):
+    """An actor given several CPUs (fewer row groups than workers) encodes with several threads: same bytes."""
+    tok = Tokenizer.load(vocab[0].path)
+    shard = sorted((corpus.path / "train").glob("*.parquet"))[0]
+    tables = []
+    for threads in (1, 2):
+        out = tmp_path / f"t{threads}"
+        (out / "train").mkdir(parents=True)
+        packer = tokenize_stage.PackDocuments(tok, TOKENIZE.max_seq_len, TOKENIZE.batch_size, 100, str(out), threads)
+        files = [name for name, *_ in packer.tokenize_unit("train", str(shard), 0, 7)]
+        assert files and all(name.startswith("train/part-00007-") for name in files)
+        tables.append(pa.concat_tables([pq.read_table(out / name) for name in files]))
+    assert tables[0].equals(tables[1]) and tables[0].num_rows > 100  # rows_per_shard=100: several shards
+
+
+def test_segment_pairs_for_sentence_order(store, workdir, module_tracker, corpus, vocab, ray_local):
+    """tokenize.segment_pairs: every row is [CLS] A [SEP] B [SEP] of one document with a sop_label, about half
+    swapped; the same inputs give the same bytes."""
+    cfg = dataclasses.replace(TOKENIZE, segment_pairs=True)
+    art, _ = build(store, workdir, module_tracker, tokenize_stage, cfg, {"corpus": corpus, "vocab": vocab[0]},
+                   "tokens-sop")
+    tok = Tokenizer.load(vocab[0].path)
+    table = pq.read_table(art.path / "train")
+    ids = np.stack(table.column("input_ids").to_numpy(zero_copy_only=False))
+    labels = table.column("sop_label").to_numpy()
+    assert len(ids) > 100 and set(np.unique(labels)) == {0, 1} and 0.4 < labels.mean() < 0.6
+    assert (ids[:, 0] == tok.cls_id).all() and ((ids == tok.sep_id).sum(1) == 2).all()
+    lengths = table.column("length").to_numpy()
+    assert all(row[n - 1] == tok.sep_id and not row[n:].any() for row, n in zip(ids, lengths))
+    again, _ = build(store, workdir, module_tracker, tokenize_stage, cfg, {"corpus": corpus, "vocab": vocab[0]},
+                     "tokens-sop-2")
+    assert pq.read_table(again.path / "train").equals(table)
 
 
 # ----------------------------------------------------------------------------------------------- bad input

@@ -63,3 +63,21 @@ def test_sample_is_independent_of_sharding_and_order(tmp_path):
     assert (doc_hashes(ids, seed=3) <= np.uint64(two_files)).sum() == 100
     assert sample_threshold([tmp_path / "one.parquet"], k=100, seed=4) != one_file
     assert sample_threshold([tmp_path / "one.parquet"], k=5000, seed=3) == int(doc_hashes(ids, 3).max())
+
+
+def test_shard_writes_whole_row_groups_whatever_the_batches(tmp_path):
+    from stages.tokenize import ROW_GROUP_ROWS, _Shard
+
+    rng = np.random.default_rng(1)
+    shard = None
+    for _ in range(40):  # batches of 60-70 sequences, as the packer emits them
+        rows, lengths = pack([rng.integers(4, 100, size=int(n)).tolist() for n in rng.integers(50, 600, 80)],
+                             max_seq_len=8, cls_id=CLS, sep_id=SEP, pad_id=PAD)
+        table = to_table(rows[:65], lengths[:65])
+        shard = shard or _Shard(tmp_path, "part.parquet", table.schema, 0.0)
+        shard.add(table)
+    name, sequences, tokens, _ = shard.close()
+    meta = pq.ParquetFile(tmp_path / name).metadata
+    sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+    assert sequences == 40 * 65 == sum(sizes) and sizes[:-1] == [ROW_GROUP_ROWS] * (len(sizes) - 1)
+    assert tokens == int(pq.read_table(tmp_path / name).column("length").to_numpy().sum())

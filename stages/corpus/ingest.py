@@ -1,13 +1,18 @@
-"""Corpus ingest: expand patterns to files, and read one file into documents or rejections.
+"""Corpus ingest: expand patterns to files once, read files into Arrow batches of documents or
+rejections, and fingerprint each batch for dedup.
 
-Everything here works on a single file with memory bounded by `max_doc_bytes` plus one read
-chunk, so the Ray map over files (stages/corpus.py) never holds more than a batch. Local paths
-and pyarrow.fs URIs (s3://, gs://, hdfs://, file://) go through the same pyarrow filesystem
-calls; only the expansion of a local glob uses Python's `glob`.
+Reading works on a single file with memory bounded by `max_doc_bytes` plus one read chunk, and
+yields Arrow batches of at most `corpus.batch_size` documents, so the Ray map over files never
+holds more than a batch. Local paths and pyarrow.fs URIs (s3://, gs://, hdfs://, file://) go
+through the same pyarrow filesystem calls; only the expansion of a local glob uses Python's `glob`.
 
 Formats, by suffix: `.txt`/`.text` (one document per file, or per non-empty line),
 `.jsonl`/`.ndjson` (a string field), `.parquet` (a string column); `.gz`, `.bz2`, `.zst`
 decompress transparently (not around Parquet, which compresses internally).
+
+Fingerprints (`fingerprint`, one call per batch): the 128-bit xxh3 of the normalised text (exact
+duplicates) and the document's LSH band keys (near duplicates), computed with the batch kernels of
+`minhash`; the MinHash signature itself is not kept, its band keys are all later steps need.
 """
 
 from __future__ import annotations
@@ -18,19 +23,26 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+import xxhash
 
-from pipeline.config import CorpusConfig
 from stages.base import StageInputError
+from stages.corpus.minhash import MinHasher, band_keys, normalize
+
+if TYPE_CHECKING:
+    from pipeline.config import CorpusConfig
 
 COMPRESSION = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".zstd": "zstd"}
 FORMATS = {".txt": "txt", ".text": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
 READ_CHUNK = 1 << 20
 SNIFF_BYTES = 8192
+BATCH_BYTES = 64 << 20  # text per batch, whatever corpus.batch_size says: bounds a batch of huge documents
 # Errors a corrupt or unreadable input raises (zlib/bz2/zstd and Arrow errors are OSError or ValueError).
 READ_ERRORS = (OSError, ValueError, EOFError, pa.ArrowException)
 
@@ -271,6 +283,10 @@ def _json_field(line: str, field: str, where: str) -> tuple[str | None, str | No
     value = obj.get(field) if isinstance(obj, dict) else None
     if not isinstance(value, str):
         return None, f"{where}no string field {field!r}; set corpus.jsonl_field to the field holding the text"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON may escape a lone surrogate ("\ud83d"), which no UTF-8 text holds
+        return None, f"{where}invalid Unicode in {field!r} ({e.reason} at character {e.start})"
     return value, None
 
 
@@ -332,3 +348,87 @@ def read_file(path: str, opts: CorpusConfig) -> Iterator[Record]:
         return
     if produced == 0:
         yield Record(path, -1, reason="file contains no documents (empty)")
+
+
+# ---------------------------------------------------------------- Arrow batches for Ray Data
+
+
+DOC_SCHEMA = pa.schema([("doc_id", pa.string()), ("id_hi", pa.uint64()), ("id_lo", pa.uint64()),
+                        ("text", pa.large_string()), ("source", pa.string()), ("reason", pa.string())])
+_M64 = (1 << 64) - 1
+
+
+def doc_key(source: str, index: int) -> int:
+    """The 128-bit id of the index-th record of a file (doc_id is its hex): independent of workers and runs."""
+    return xxhash.xxh3_128_intdigest(f"{source}\x00{index}".encode())
+
+
+def doc_id(source: str, index: int) -> str:
+    """Stable id of the index-th record of a file; ids order like their 128-bit values (id_hi, id_lo)."""
+    return f"{doc_key(source, index):032x}"
+
+
+def split_key(keys: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """128-bit ints -> (hi, lo) uint64 arrays; (hi, lo) sort exactly like the hex ids."""
+    hi = np.fromiter((k >> 64 for k in keys), dtype=np.uint64, count=len(keys))
+    lo = np.fromiter((k & _M64 for k in keys), dtype=np.uint64, count=len(keys))
+    return hi, lo
+
+
+def _documents(records: list[Record]) -> pa.Table:
+    keys = [doc_key(r.source, r.index) for r in records]
+    hi, lo = split_key(keys)
+    return pa.table({"doc_id": [f"{k:032x}" for k in keys], "id_hi": hi, "id_lo": lo,
+                     "text": [r.text for r in records], "source": [r.source for r in records],
+                     "reason": [r.reason for r in records]}, schema=DOC_SCHEMA)
+
+
+def read_files(batch: pa.Table, opts: CorpusConfig, batch_rows: int) -> Iterator[pa.Table]:
+    """Ray Data batch function: files (column `path`) -> documents and rejections (DOC_SCHEMA), in
+    batches of at most `batch_rows` rows or BATCH_BYTES of text."""
+    records: list[Record] = []
+    size = 0
+    for path in batch.column("path").to_pylist():
+        for rec in read_file(path, opts):
+            records.append(rec)
+            size += len(rec.text) if rec.text else 0
+            if len(records) >= batch_rows or size >= BATCH_BYTES:
+                yield _documents(records)
+                records, size = [], 0
+    if records:
+        yield _documents(records)
+
+
+@dataclass(frozen=True)
+class Fingerprinter:
+    """What `fingerprint` needs, picklable without the pipeline's config (Ray workers get this, not the config)."""
+
+    hasher: MinHasher
+    bands: int
+    rows: int
+
+
+def fingerprint(batch: pa.Table, fp: Fingerprinter) -> pa.Table:
+    """Add h_hi, h_lo (xxh3-128 of the normalised text), bands (fixed_size_list<uint64>[bands]) and nbytes.
+
+    Rejected rows keep zeros there; a document that normalises to nothing (control or format
+    characters only) becomes a rejection here, since there is nothing to keep or compare.
+    """
+    n = batch.num_rows
+    reasons = batch.column("reason").to_pylist()
+    texts = batch.column("text").to_pylist()
+    norms = {i: normalize(texts[i]) for i in range(n) if reasons[i] is None}
+    for i, norm in norms.items():
+        if not norm:
+            reasons[i] = "empty document after normalisation (control or format characters only)"
+    keep = np.array([i for i, norm in norms.items() if norm], dtype=np.int64)
+    kept = [norms[i] for i in keep]
+    h_hi, h_lo = np.zeros(n, np.uint64), np.zeros(n, np.uint64)
+    h_hi[keep], h_lo[keep] = split_key([xxhash.xxh3_128_intdigest(t.encode()) for t in kept])
+    keys = np.zeros((n, fp.bands), np.uint64)
+    keys[keep] = band_keys(fp.hasher.signatures(kept), fp.bands, fp.rows)  # (N, B)
+    nbytes = pc.fill_null(pc.binary_length(batch.column("text")), 0).cast(pa.int64())
+    return (batch.set_column(batch.schema.get_field_index("reason"), "reason", pa.array(reasons, pa.string()))
+            .append_column("h_hi", pa.array(h_hi)).append_column("h_lo", pa.array(h_lo))
+            .append_column("bands", pa.FixedSizeListArray.from_arrays(pa.array(keys.ravel()), fp.bands))
+            .append_column("nbytes", nbytes))

@@ -1,0 +1,266 @@
+"""Corpus stage: ingest raw text, remove exact and near duplicates (MinHash LSH), shard 95/5.
+
+Following the paper (A.2) and Megatron-LM: character 5-gram MinHash, LSH banding to candidate
+pairs, each candidate confirmed by its true Jaccard similarity (>= corpus.threshold), connected
+components of the confirmed pairs, one survivor per component (the smallest doc_id, so the choice
+depends on neither worker count nor block order). The Ray steps, this module's orchestration:
+
+    sources --map_batches(ingest.read_files, ingest.fingerprint)--> docs          [materialized]
+    docs    --stream(shard.rejected_rows)--> rejected.parquet, and the corpus's text bytes
+    docs    --dedup: band rows, shuffle 1 (buckets), driver, shuffle 2 (confirm)--> removals
+    docs    --map_batches(shard.split_rows).write_parquet--> train/, validation/
+
+Modules: `ingest` (listing and reading files, fingerprints), `minhash` (the numpy kernels),
+`dedup` (buckets, candidate graph, confirmation, components; its docstring says what bounds memory),
+`shard` (split and Parquet outputs), `report` (report.json, examples.json, dedup.png).
+
+The raw input is resolved exactly once: `list_sources(patterns)` lists the files (path, size,
+mtime_ns), `RawCorpus(sources)` carries that tuple, and the stage reads exactly those files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from stages.base import StageContext, StageInputError, StageResult
+from stages.corpus import dedup, ingest, report, shard
+from stages.corpus.ingest import doc_id, list_sources, read_file
+from stages.corpus.minhash import MinHasher, lsh_params
+from stages.corpus.shard import is_validation
+
+if TYPE_CHECKING:
+    from pipeline.config import CorpusConfig
+
+__all__ = ["VERSION", "RawCorpus", "Source", "list_sources", "read_file", "doc_id", "is_validation", "run"]
+
+VERSION = "2"
+
+MAX_READ_TASKS = 4096
+BLOCK_BYTES = 12 << 20
+READ_TASK_BYTES = 256 << 20
+Source = tuple[str, int, int]
+"""(path, size in bytes, mtime_ns) of one input file."""
+
+
+@dataclass(frozen=True)
+class RawCorpus:
+    """The stage's input: the files `list_sources` resolved, sorted by path (the driver builds it once)."""
+
+    sources: tuple[Source, ...]
+    """Every input file as (path, size, mtime_ns): the stage reads exactly these, and never lists again."""
+    patterns: tuple[str, ...] = ()
+    """What was asked for (files, directories, globs, URIs), for display and lineage only."""
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            raise StageInputError("the raw corpus lists no files; pass --corpus PATH (a file, a directory or a glob)")
+
+    @classmethod
+    def of(cls, patterns: Sequence[str]) -> "RawCorpus":
+        """List `patterns` (files, directories, globs, pyarrow.fs URIs) once."""
+        return cls(tuple(list_sources(patterns)), tuple(patterns))
+
+
+# ---------------------------------------------------------------- Ray steps
+
+
+@contextlib.contextmanager
+def _data_context():
+    """Ray Data settings of this stage, restored afterwards (the driver's context is process-wide).
+
+    - Sort-based shuffles (plain tasks on the warm workers): the default hash shuffle starts a pool of
+      aggregator actors per groupby, 2-4 s each on 2 CPUs, more than a 100k-document shuffle takes.
+    - Blocks of BLOCK_BYTES instead of 128 MiB: Ray Data runs one task per block, so a 100 MB file read
+      into one block would be fingerprinted by one core; 12 MiB keeps every core busy on a 100k-document
+      corpus while the tasks stay few (each costs ~10-20 ms of scheduling, and every pass runs one per block).
+    """
+    import ray
+    from ray.data.context import ShuffleStrategy
+
+    ctx = ray.data.DataContext.get_current()
+    saved = ctx.shuffle_strategy, ctx.target_max_block_size
+    ctx.shuffle_strategy, ctx.target_max_block_size = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED, BLOCK_BYTES
+    try:
+        yield
+    finally:
+        ctx.shuffle_strategy, ctx.target_max_block_size = saved
+
+
+def _gather(ds) -> dict[str, np.ndarray]:
+    """All rows of a small (duplicate-sized) dataset on the driver, as numpy columns."""
+    parts: dict[str, list] = {}
+    for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
+        for name, values in batch.items():
+            parts.setdefault(name, []).append(values)
+    return {name: np.concatenate(values) for name, values in parts.items()}
+
+
+def _gather_table(ds, schema: pa.Schema) -> pa.Table:
+    tables = [pa.table(b) for b in ds.iter_batches(batch_format="pyarrow", batch_size=None)]
+    return pa.concat_tables([t.cast(schema) for t in tables if t.num_rows]) if tables else schema.empty_table()
+
+
+def _ingest(sources: Sequence[Source], cfg: CorpusConfig, fp: ingest.Fingerprinter, cpus: int):
+    """Read and fingerprint every file into a materialized dataset of documents and rejections."""
+    import ray
+
+    # Files are grouped into read tasks (~READ_TASK_BYTES, at least two per CPU): a task per small
+    # file costs more in scheduling than in reading. Reading (I/O, decompression, JSON) asks for a
+    # fraction of a CPU and is a separate operator from fingerprinting, so one big file's blocks fan
+    # out to every core; at most one read per CPU runs at a time, since each concurrent task needs a
+    # worker process of its own (~1 CPU-second to start on this machine).
+    total = sum(size for _, size, _ in sources)
+    read_tasks = min(len(sources), MAX_READ_TASKS, max(2 * cpus, -(-total // READ_TASK_BYTES)))
+    return (ray.data.from_items([{"path": p} for p, _, _ in sources], override_num_blocks=read_tasks)
+            .map_batches(ingest.read_files, batch_size=1, batch_format="pyarrow", num_cpus=0.25, concurrency=min(cpus, read_tasks),
+                         fn_kwargs={"opts": cfg, "batch_rows": cfg.batch_size})
+            .map_batches(ingest.fingerprint, batch_size=cfg.batch_size, batch_format="pyarrow", num_cpus=1,
+                         fn_kwargs={"fp": fp})
+            .materialize())
+
+
+def _routed(batch: pa.Table, table: list) -> pa.Table:
+    import ray
+
+    return dedup.route_rows(batch, *ray.get(table[0]))
+
+
+def _confirmed(rows: pa.Table, pair_slots: list, params: dedup.Params) -> pa.Table:
+    import ray
+
+    return dedup.confirm(rows, *ray.get(pair_slots[rows.column("part")[0].as_py()]), params)
+
+
+@dataclass
+class Found:
+    """Every removal dedup decided, and what the report shows of it."""
+
+    exact: pa.Table  # doc_id, kept_doc_id: removed exact copies and their group's survivor
+    near: dedup.Near
+    removed: tuple[np.ndarray, np.ndarray]  # (hi, lo) of every removed document, sorted
+    picture: report.DedupPicture
+
+
+CONFIRM_SCHEMA = pa.schema([("slot_a", pa.int64()), ("slot_b", pa.int64()), ("similarity", pa.float64()),
+                            ("text_a", pa.large_string()), ("text_b", pa.large_string())])
+
+
+def _buckets(docs, params: dedup.Params, readable: int, cpus: int, batch: int) -> dict[str, np.ndarray]:
+    """Shuffle 1: every document's band rows, grouped by partition; exact groups, candidates, bucket sizes."""
+    parts = dedup.partitions(readable * params.bands * dedup.BAND_ROW_BYTES, cpus)
+    rows = _gather(docs.map_batches(dedup.band_rows, batch_format="pyarrow", batch_size=batch,
+                                    fn_kwargs={"bands": params.bands, "parts": parts})
+                   .groupby("part", num_partitions=parts).map_groups(dedup.buckets, batch_format="numpy"))
+    empty = {"kind": np.zeros(0, np.uint8), "size": np.zeros(0, np.int64)}
+    names = ("kind", "a_hi", "a_lo", "b_hi", "b_lo", "size")
+    return {c: rows.get(c, empty.get(c, np.zeros(0, np.uint64))) for c in names}
+
+
+def _confirm(docs, nodes: dedup.Nodes, a: np.ndarray, b: np.ndarray, params: dedup.Params, cpus: int,
+             doc_bytes: float, batch: int) -> dedup.Near:
+    """Shuffle 2: route candidate documents to their pairs' partitions, confirm every pair there."""
+    import ray
+
+    parts = min(dedup.partitions(len(nodes.hi) * doc_bytes, cpus, dedup.CONFIRM_BYTES), len(a))
+    routes = dedup.route(nodes, a, b, parts, max_component=max(2, int(dedup.CONFIRM_BYTES // max(doc_bytes, 1))))
+    first = np.searchsorted(routes.node, np.arange(len(nodes.hi)))
+    count = np.bincount(routes.node, minlength=len(nodes.hi))
+    table = [ray.put((nodes.hi, nodes.lo, first, count, routes.part))]
+    pair_slots = [ray.put(slots) for slots in routes.pair_slots]
+    routed = docs.map_batches(_routed, batch_format="pyarrow", batch_size=batch, fn_kwargs={"table": table})
+    pairs = _gather_table(routed.groupby("part", num_partitions=parts)
+                          .map_groups(_confirmed, batch_format="pyarrow",
+                                      fn_kwargs={"pair_slots": pair_slots, "params": params}), CONFIRM_SCHEMA)
+    return dedup.resolve(nodes, pairs, routes.node, params.threshold)
+
+
+def _find_duplicates(docs, params: dedup.Params, readable: int, text_bytes: int, cpus: int, batch: int,
+                     lap) -> Found:
+    """Shuffle 1 (buckets), the candidate graph, shuffle 2 (confirm) and the components of confirmed pairs."""
+    rows = _buckets(docs, params, readable, cpus, batch)
+    kind = rows["kind"]
+    ex, pr = kind == dedup.EXACT, kind == dedup.PAIR
+    exact = pa.table({"doc_id": dedup.hex_ids(rows["b_hi"][ex], rows["b_lo"][ex]),
+                      "kept_doc_id": dedup.hex_ids(rows["a_hi"][ex], rows["a_lo"][ex])})
+    nodes, a, b = dedup.candidate_graph(rows["a_hi"][pr], rows["a_lo"][pr], rows["b_hi"][pr], rows["b_lo"][pr])
+    lap("buckets_s")
+    near = dedup.Near(dedup.EDGE_SCHEMA.empty_table(), dedup.NO_NEAR, (np.zeros(0, np.uint64),) * 2,
+                      np.zeros(0), np.zeros(0, np.int64))
+    if len(a):
+        near = _confirm(docs, nodes, a, b, params, cpus, text_bytes / max(readable, 1), batch)
+    hi = np.concatenate([rows["b_hi"][ex], near.removed_ids[0]])
+    lo = np.concatenate([rows["b_lo"][ex], near.removed_ids[1]])
+    order = np.lexsort((lo, hi))
+    group_sizes = pc.value_counts(exact.column("kept_doc_id")).field("counts").to_numpy() + 1
+    picture = report.DedupPicture(params.threshold, near.candidate_similarity, group_sizes, near.cluster_sizes,
+                                  rows["size"][kind == dedup.BUCKET])
+    lap("confirm_s")
+    return Found(exact, near, (hi[order], lo[order]), picture)
+
+
+# ---------------------------------------------------------------- the stage
+
+
+def run(cfg: CorpusConfig, *, inputs: dict, out: Path, ctx: StageContext) -> StageResult:
+    """Build the corpus artifact in `out`:
+
+        train/*.parquet, validation/*.parquet   doc_id, text (original), source
+        duplicates.parquet                      doc_id, kept_doc_id, similarity, kind (exact|near);
+                                                kept_doc_id is always a document of train/ or validation/
+        near_pairs.parquet                      a, b, similarity: every confirmed near-duplicate pair
+        rejected.parquet                        path, reason (unreadable files, undecodable or oversized records)
+        report.json, examples.json, dedup.png   counts, bytes, timings, the dedup distributions; a few pairs
+    """
+    with _data_context():
+        return _run(cfg, inputs["raw"].sources, Path(out))
+
+
+def _run(cfg: CorpusConfig, sources: Sequence[Source], out: Path) -> StageResult:
+    import ray
+
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        timings[name], clock = round(time.perf_counter() - clock, 3), time.perf_counter()
+
+    bands, rows = lsh_params(cfg.threshold, cfg.num_perm)
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    fp = ingest.Fingerprinter(MinHasher(cfg.num_perm, cfg.seed, cfg.shingle, cfg.shingle_size), bands, rows)
+    docs = _ingest(sources, cfg, fp, cpus)
+    n_docs = docs.count()
+    lap("ingest_s")
+    n_rejected, text_bytes = shard.write_rejected(docs.map_batches(shard.rejected_rows, batch_format="pyarrow"),
+                                                  out / "rejected.parquet")
+    if n_rejected == n_docs:
+        shard.raise_no_documents(out, len(sources))
+    lap("rejected_s")
+    found = _find_duplicates(docs, dedup.Params(bands, cfg.shingle, cfg.shingle_size, cfg.threshold),
+                             n_docs - n_rejected, text_bytes, cpus, cfg.batch_size, lap)
+    n_split = shard.write_splits(docs, found.removed, cfg, out)
+    shard.write_duplicates(out / "duplicates.parquet", found.exact, found.near.removed)
+    shard.write_near_pairs(out / "near_pairs.parquet", found.near.edges)
+    lap("write_s")
+    counts = report.counts(len(sources), n_docs, n_rejected, n_split, found.exact.num_rows,
+                           found.near.removed.num_rows, found.near.edges.num_rows, found.picture)
+    timings["total_s"] = round(sum(timings.values()), 3)
+    logged = report.write(out, report.build(cfg, sources, counts, timings, text_bytes, bands, rows, dedup.MAX_BUCKET),
+                          found.picture, found.exact, found.near.edges)
+    metrics = {
+        "duplicate_fraction": (counts["exact_duplicates_removed"] + counts["near_duplicates_removed"]) / n_docs,
+        "rejected_fraction": n_rejected / n_docs,
+        "documents_per_s": n_docs / max(timings["total_s"], 1e-9),
+        **{f"time_{k}": v for k, v in timings.items()},
+    }
+    summary = (f"{counts['documents_out']} of {n_docs} documents kept ({counts['exact_duplicates_removed']} exact "
+               f"and {counts['near_duplicates_removed']} near duplicates removed, {n_rejected} rejected)")
+    return StageResult(metrics=metrics, counts=counts, log_files=logged, summary={"corpus": summary})
