@@ -479,3 +479,43 @@ def test_rtd_two_nodes_resumes_after_worker_loss(ray_cluster_2_nodes, tokens, mo
     name = "deberta-debug-pretrained"
     mv = tracker.client.get_model_version(name, result.summary[f"registered {name}"].split()[-1])
     assert (mv.tags["objective"], mv.tags["embedding_sharing"], mv.tags["pretrain"]) == ("rtd", "gdes", "rtd")
+
+
+def test_albert_options_train_and_fine_tune(ray_cluster_2_nodes, tokens, model_cfg, workdir, lineage, tmp_path):
+    """ALBERT-style DeBERTa (seed 004) on 2 nodes: factorised embeddings (E = 32 < H = 64), every layer shared,
+    sentence-order prediction on segment-pair shards. Losses fall, SOP beats chance on validation, the HF export
+    is the unshared copy, and the fine-tuning stage starts from the artifact."""
+    from pipeline.config import FinetuneConfig
+    from stages.finetune.tasks import resolve_task
+
+    albert = model_cfg.replace(embedding_size=32, share_layers="all")
+    pairs = Artifact("tokenize", "tok-sop", workdir / "artifacts" / "tokenize" / "tok-sop")
+    cfg = replace(BASE, sop=True, max_steps=120, eval_interval=60, ckpt_interval=60)
+    pre = pretrain_job(cfg, "albert", workdir, {**tokens, "tokenize": pairs}, albert, lineage)
+    tune_cfg = FinetuneConfig(task="rotten-tomatoes", dropout=(0.0,), warmup_steps=(10,), lr=(2e-3,),
+                              batch_size=(32,), epochs=1, max_seq_len=SEQ_LEN, max_train_examples=1_000,
+                              max_concurrent_trials=1)
+    jobs = [
+        dict(module="stages.tokenize", id="tok-sop", workdir=workdir, tracker=pre["tracker"],
+             inputs={"corpus": tokens["corpus"], "vocab": tokens["vocab"]},
+             cfg=TokenizeConfig(max_seq_len=SEQ_LEN, batch_size=64, rows_per_shard=2_000, num_workers=2,
+                                segment_pairs=True)),
+        pre,
+        dict(module="stages.finetune", id="albert-ft", workdir=workdir, tracker=lineage.stage_run(
+             "finetune", "albert-ft", {}, {}, cached=False), cfg=tune_cfg, extra={"model": albert},
+             inputs={"pretrain": Artifact("pretrain", "albert", workdir / "artifacts" / "pretrain" / "albert"),
+                     "vocab": tokens["vocab"], "task": resolve_task("rotten-tomatoes")}),
+    ]
+    outcomes = run_driver(ray_cluster_2_nodes, jobs, tmp_path, timeout=900)
+    assert [o[0] for o in outcomes] == ["ok", "ok", "ok"], outcomes
+    tracker = pre["tracker"]
+    val = history(tracker, "val_loss")
+    assert val[-1][1] < val[0][1] - 0.5, val
+    sop = history(tracker, "val_sop_accuracy")
+    assert sop[-1][1] > 0.5, sop
+    assert len(history(tracker, "sop_loss")) == cfg.max_steps
+    out = workdir / "artifacts" / "pretrain" / "albert"
+    hf_config = json.loads((out / "hf" / "config.json").read_text())
+    assert hf_config["embedding_size"] == 32 and hf_config["num_hidden_layers"] == albert.num_hidden_layers
+    finetuned = outcomes[2][1]
+    assert 0.0 < finetuned.metrics["best_dev_accuracy"] <= 1.0 and finetuned.counts["trials"] == 1
