@@ -27,6 +27,9 @@ def connect(cfg: RayConfig) -> str:
                  object_store_memory=int(cfg.object_store_gb * (1 << 30)),
                  include_dashboard=cfg.dashboard, dashboard_host="127.0.0.1", **quiet)
         where = "started a local Ray"
+        if cfg.dashboard:  # Ray 2.60's dashboard opens on a token dialog; say where the token is
+            where += (" (dashboard http://127.0.0.1:8265: Jobs, Train and Tune pages; its token: "
+                      "`ray get-auth-token`)")
     res = ray.cluster_resources()
     return f"{where}: {int(res.get('CPU', 0))} CPUs, {int(res.get('GPU', 0))} GPUs, {len(ray.nodes())} node(s)"
 
