@@ -148,6 +148,14 @@ def test_sweep_beats_baseline_and_registers_champion(pretrained, ray_local, mlfl
         ours = clf.eval()(ids, (ids != 0).long())["logits"]
         theirs = exported(input_ids=ids, attention_mask=(ids != 0).long()).logits
     assert float((ours - theirs).abs().max()) <= 1e-5
+    # ... and the registry version, loaded as users load it, reproduces the registered dev metric
+    import mlflow
+
+    mlflow.set_tracking_uri(mlflow_server)
+    served = mlflow.pyfunc.load_model("models:/deberta-debug-rotten-tomatoes@champion")
+    predicted = served.predict(pd.DataFrame({"text": list(task.dev.text_a)}))["label"]
+    gold = [task.labels[int(y)] for y in task.dev.label]
+    assert np.mean([p == g for p, g in zip(predicted, gold)]) == pytest.approx(best, abs=0.005)
     children = client.search_runs([tracker.experiment_id], f"tags.mlflow.parentRunId = '{tracker.run_id}'")
     assert len(children) == 4
     for run in children:
