@@ -340,7 +340,7 @@ def dry_run(cfg: PretrainConfig, model: ModelConfig) -> str:
         f"{cfg.max_steps:,} steps = {cfg.max_steps * step_s / 86400:.3g} days "
         f"({tokens * cfg.max_steps / 1e9:,.1f}B tokens)",
         f"  model states per GPU without offload: ZeRO-2 {zero2 / 2**30:.2f} GiB, ZeRO-3 {zero3 / 2**30:.2f} GiB "
-        f"(ZeRO-3 builds the model inside zero.Init: no rank ever holds it whole)",
+        f"(ZeRO-3 builds the model inside zero.Init, partitioned module by module)",
         "  DeepSpeed's estimator tables (model states only: bf16 params/grads + fp32 master and Adam; no activations):",
         *("    " + line for line in tables.getvalue().strip().splitlines()),
     ]
