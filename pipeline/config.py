@@ -221,7 +221,7 @@ class TokenizeConfig(Section):
     """ALBERT's sentence-order data: each row is `[CLS] A [SEP] B [SEP]`, two consecutive spans of one document,
     swapped with probability 0.5 (seeded by `seed`), with a `sop_label` column (1: swapped)."""
     seed: int = 0
-    """Seed of the segment-pair swaps."""
+    """Seed of the train split's global permutation and of the segment-pair swaps."""
 
     HOW: ClassVar[frozenset[str]] = frozenset({"num_workers"})
 
@@ -285,17 +285,14 @@ class PretrainConfig(Section):
     """Steps between DeepSpeed checkpoints reported to Ray Train."""
     max_failures: int = 3
     """Worker failures Ray Train recovers from (restoring the latest checkpoint)."""
-    global_shuffle: bool = True
-    """Shuffle every train sequence globally before the split over workers (Ray Data `random_shuffle`, seeded),
-    as the reference samples from a permutation of all examples: without it a batch comes from a narrow window
-    of consecutive documents (one source at a time on a multi-source corpus)."""
     shuffle_buffer: int = 1_024
-    """Sequences in each worker's local shuffle buffer (Ray Data), seeded by (seed, epoch, rank), so that epochs
-    differ in order too; 0 = none."""
+    """Sequences shuffled together in each worker's window, seeded by (seed, epoch, rank, window); the train split
+    is already one global permutation (tokenize stage) and its blocks are re-dealt every epoch
+    (`stages.pretrain_data`); 0 = none."""
     placement_strategy: str = "PACK"
     """Ray placement of the training workers: "PACK" (fill a node's GPUs first) or "SPREAD" (one per node first)."""
     seed: int = 0
-    """Seeds model init, span masks (with step, micro-batch and rank) and the shuffle (with epoch and rank)."""
+    """Seeds model init, span masks (with step, micro-batch and rank) and the data order (with epoch and rank)."""
 
     HOW: ClassVar[frozenset[str]] = frozenset({"log_interval", "eval_interval", "eval_batches", "ckpt_interval",
                                                "max_failures", "cpus_per_worker", "placement_strategy"})

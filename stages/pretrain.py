@@ -1,9 +1,9 @@
 """Pretrain stage: DeBERTa MLM + EMD on Ray Train (`TorchTrainer`) with DeepSpeed ZeRO.
 
-Driver side (this module): check the config and inputs before any worker starts, stream the tokenised
-shards with Ray Data, run the trainer, then turn its last checkpoint into the artifact and register it
-in MLflow. The per-worker loop (DeepSpeed engine, span masking, eval, checkpoints) is
-`stages/pretrain_loop.py`; the DeepSpeed JSON comes from `cluster/deepspeed_config.py`.
+Driver side (this module): check the config and inputs before any worker starts, run the trainer, then
+turn its last checkpoint into the artifact and register it in MLflow. The per-worker loop (DeepSpeed
+engine, span masking, eval, checkpoints) is `stages/pretrain_loop.py`; the order it reads the tokenised
+shards in is `stages/pretrain_data.py`; the DeepSpeed JSON comes from `cluster/deepspeed_config.py`.
 
 Recovery. Every `ckpt_interval` steps each worker saves its DeepSpeed shard and all of them report one
 Ray Train checkpoint (model, optimizer, scheduler, data position). A lost worker: Ray Train restarts the
@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # the model library and the worker loop import torch: only in
     from deberta.config import DebertaConfig
     from stages.pretrain_loop import LoopJob, TrainState
 
-VERSION = "2"  # 2: the reference linear schedule, span windows of 6n words, a global shuffle, a sampled validation set
+VERSION = "3"  # 3: blocks re-dealt every epoch; 2: the reference schedule, 6n span windows, sampled validation
 
 PLAN_GPUS_PER_NODE = 8
 PLAN_DEVICE = "H100"
@@ -87,39 +87,14 @@ def token_shards(tokenize: Artifact, split: str) -> tuple[list[str], int, int]:
 
 # ----------------------------------------------------------------------------------------------- the stage
 
-@contextlib.contextmanager
-def quiet_data():
-    """Datasets created inside carry no progress bars (every epoch would print a set; a dataset keeps a copy of
-    the context it was created with); the caller's setting is restored."""
-    from ray.data import DataContext
-
-    ctx = DataContext.get_current()
-    previous = ctx.enable_progress_bars
-    ctx.enable_progress_bars = False
-    try:
-        yield
-    finally:
-        ctx.enable_progress_bars = previous
-
-
-def _trainer(cfg: PretrainConfig, job: "LoopJob", train_files: list[str], ctx: StageContext):
-    import ray.data
-    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+def _trainer(cfg: PretrainConfig, job: "LoopJob", ctx: StageContext):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from stages.pretrain_loop import train_loop_per_worker
 
-    with quiet_data():
-        from stages.pretrain_loop import shard_columns
-
-        train = ray.data.read_parquet(train_files, columns=shard_columns(cfg))
-        if cfg.global_shuffle:  # seeded: every execution (epoch, restart) yields the same permutation
-            train = train.random_shuffle(seed=cfg.seed)
-        datasets = {"train": train}
-    # preserve_order makes the equal split deterministic, which the saved data position relies on
-    options = DataConfig.default_ingest_options()
-    options.preserve_order = True
-    data_config = DataConfig(execution_options=options)
+    # No Ray Data dataset: each worker reads its blocks of the (already globally shuffled) train shards in the
+    # order `stages.pretrain_data` deals them per epoch, which a restarted worker can replay.
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"job": job},
@@ -129,18 +104,17 @@ def _trainer(cfg: PretrainConfig, job: "LoopJob", train_files: list[str], ctx: S
         run_config=RunConfig(storage_path=ctx.storage_path, name=f"pretrain-{ctx.artifact_id}",
                              failure_config=FailureConfig(max_failures=cfg.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=2)),
-        datasets=datasets,
-        dataset_config=data_config,
     )
 
 
-def _loop_job(cfg: PretrainConfig, model: "DebertaConfig", ds_config: dict, seq_len: int, val_files: list[str],
-              tok: Tokenizer, tracker) -> "LoopJob":
+def _loop_job(cfg: PretrainConfig, model: "DebertaConfig", ds_config: dict, seq_len: int, train_files: list[str],
+              val_files: list[str], tok: Tokenizer, tracker) -> "LoopJob":
     from stages import pretrain_objectives as objectives
     from stages.pretrain_loop import LoopJob
 
     return LoopJob(
-        cfg=cfg, model=model, ds_config=ds_config, seq_len=seq_len, val_files=tuple(val_files),
+        cfg=cfg, model=model, ds_config=ds_config, seq_len=seq_len, train_files=tuple(train_files),
+        val_files=tuple(val_files),
         tokenizer_len=len(tok), mask_id=tok.mask_id,
         special_ids=tuple(sorted(tok.special_ids.values())),
         word_start=np.packbits(tok.word_start_mask()).tobytes(),
@@ -211,10 +185,10 @@ def run(cfg: PretrainConfig, *, model: ModelConfig, inputs: dict[str, Artifact],
     if train_rows < cfg.micro_batch_size * cfg.num_workers:
         raise StageInputError(f"the train split has {train_rows} sequences, fewer than micro_batch_size x workers = "
                               f"{cfg.micro_batch_size * cfg.num_workers}; tokenize more text or shrink the batch")
-    job = _loop_job(cfg, model_config(model), ds_config, seq_len, val_files, tok, ctx.tracker)
+    job = _loop_job(cfg, model_config(model), ds_config, seq_len, train_files, val_files, tok, ctx.tracker)
     ctx.tracker.log_dict({"deepspeed": ds_config, "seq_len": seq_len}, "deepspeed_config.json")
     started = time.time()
-    result = _trainer(cfg, job, train_files, ctx).fit()
+    result = _trainer(cfg, job, ctx).fit()
     if result.checkpoint is None:
         raise RuntimeError(f"training ended without a checkpoint (error: {result.error})")
     print(f"[pretrain] training finished in {time.time() - started:.0f}s; consolidating {result.checkpoint.path}",

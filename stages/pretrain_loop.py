@@ -5,10 +5,10 @@ on GPU) is built here, inside the worker. Everything a worker needs arrives in o
 module global is read inside the loop.
 
 Data position (what a checkpoint stores besides model, optimizer and scheduler): `(epoch,
-batch_in_epoch)` in micro-batches of this worker's shard. The shard order is deterministic (Ray Data
-`preserve_order`, a seeded global shuffle, equal split, local shuffle seeded by (seed, epoch, rank)), so on
-resume every worker re-opens epoch `epoch` and skips `batch_in_epoch` micro-batches (read and dropped, never computed; the
-cost is I/O proportional to the position within the epoch) - the next step sees exactly the batches it
+batch_in_epoch)` in micro-batches of this worker. The order is a pure function of the shards, seed, epoch
+and rank (`stages.pretrain_data`: blocks re-dealt every epoch, windows shuffled locally), so on resume every
+worker re-opens epoch `epoch` and skips `batch_in_epoch` micro-batches (read and dropped, never computed;
+the cost is I/O proportional to the position within the epoch) - the next step sees exactly the batches it
 would have seen without the interruption. Span masks are a pure function of (seed, step, micro-batch,
 rank) and the dropout RNG is reseeded from (seed, step, rank) every step, so a resumed run repeats the
 uninterrupted one step for step.
@@ -34,6 +34,7 @@ from deberta.config import DebertaConfig
 from deberta.masking import SpanMasker
 from cluster.engine import Engine, OptimSpec, build
 from pipeline.config import PretrainConfig
+from stages import pretrain_data as data
 from stages import pretrain_objectives as objectives
 from stages.segment_pairs import SOP_COLUMN
 
@@ -51,8 +52,10 @@ class LoopJob:
     model: DebertaConfig
     ds_config: dict[str, Any]
     seq_len: int
+    train_files: tuple[str, ...]
+    """Train shards (paths every node can read: the workdir is shared, as for every Ray stage's output)."""
     val_files: tuple[str, ...]
-    """Validation shards (paths every node can read, like the train shards Ray Data reads)."""
+    """Validation shards (same)."""
     tokenizer_len: int
     mask_id: int
     special_ids: tuple[int, ...]
@@ -128,8 +131,17 @@ def shard_columns(cfg: PretrainConfig) -> list[str]:
     return ["input_ids", SOP_COLUMN] if cfg.sop else ["input_ids"]
 
 
+def numpy_columns(table) -> dict[str, np.ndarray]:
+    """A pyarrow micro-batch -> {"input_ids": (B, T) uint32, and sop_label (B,) when read}, without copies."""
+    ids = table.column("input_ids").combine_chunks()
+    out = {"input_ids": np.asarray(ids.flatten()).reshape(len(table), -1)}  # (B, T)
+    if SOP_COLUMN in table.column_names:
+        out[SOP_COLUMN] = table.column(SOP_COLUMN).to_numpy()
+    return out
+
+
 def to_batch(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    """Ray Data numpy batch -> {"input_ids": (B, T) int64 (uint32 on disk), and "sop_labels": (B,) with SOP}."""
+    """numpy batch -> {"input_ids": (B, T) int64 (uint32 on disk), and "sop_labels": (B,) with SOP}."""
     ids = batch["input_ids"]
     if ids.dtype == object:  # list columns may arrive as an array of arrays
         ids = np.stack(ids)
@@ -149,21 +161,23 @@ def forward(engine, masker: SpanMasker, batch: dict[str, torch.Tensor], step: in
                   labels=labels.to(engine.device), **extra)
 
 
-def micro_batches(shard, job: LoopJob, rank: int, state: TrainState) -> Iterator[tuple[int, int, dict]]:
-    """Endless (epoch, index in epoch, batch) over the worker's shard, starting at the saved data position."""
+def micro_batches(job: LoopJob, rank: int, world: int, state: TrainState) -> Iterator[tuple[int, int, dict]]:
+    """Endless (epoch, index in epoch, batch) of this worker, starting at the saved data position."""
+    cfg = job.cfg
+    split = data.blocks(job.train_files)
+    if len(split) < world:
+        raise RuntimeError(f"the train split has {len(split)} blocks of <= {data.BLOCK_ROWS} sequences, fewer than "
+                           f"{world} workers; tokenize more text or use fewer workers")
     epoch, skip = state.epoch, state.batch_in_epoch
     while True:
-        it = shard.iter_batches(batch_size=job.cfg.micro_batch_size, batch_format="numpy", drop_last=True,
-                                local_shuffle_buffer_size=job.cfg.shuffle_buffer or None,
-                                local_shuffle_seed=(job.cfg.seed * 1_000_003 + epoch) * 1_009 + rank)
         n = 0
-        for batch in it:
-            if n >= skip:
-                yield epoch, n, to_batch(batch)
-            n += 1
+        for n, table in enumerate(data.rank_batches(split, cfg.seed, epoch, rank, world, cfg.micro_batch_size,
+                                                    cfg.shuffle_buffer, shard_columns(cfg)), start=1):
+            if n > skip:
+                yield epoch, n - 1, to_batch(numpy_columns(table))
         if n == 0:
-            raise RuntimeError(f"worker {rank}: the train shard holds fewer than micro_batch_size="
-                               f"{job.cfg.micro_batch_size} sequences; use more data or fewer workers")
+            raise RuntimeError(f"worker {rank}: its blocks hold fewer than micro_batch_size={cfg.micro_batch_size} "
+                               f"sequences; use more data or fewer workers")
         epoch, skip = epoch + 1, 0
 
 
@@ -342,7 +356,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     val_batches = validation_batches(job, rank, world)
     if state.step == 0:
         out.log(evaluate(engine, val_batches, masker, cfg, rank, world), step=0)
-    batches = micro_batches(ray.train.get_dataset_shard("train"), job, rank, state)
+    batches = micro_batches(job, rank, world, state)
     timer, last_eval, first_step = Throughput(job, world, state.step), {}, state.step
     while state.step < cfg.max_steps:
         step = train_step(engine, batches, masker, state, accum, rank, world, cfg)

@@ -1,10 +1,14 @@
 """Tokenize stage: corpus shards -> packed, fixed-length uint32 token sequences on Ray Data.
 
-Both splits stream through one `from_items(row groups) -> map_batches(PackDocuments)` pass. `PackDocuments` is an
-actor (one CPU each, `TokenizeConfig.num_workers` of them, never more than there are row groups: with fewer row
-groups each actor takes the CPUs of the missing ones and encodes with as many SentencePiece threads) that loads
-the SentencePiece model once, from bytes shipped with it, encodes a batch of documents per SentencePiece call,
-packs on numpy buffers and writes its shards itself; only shard names and counts come back.
+Two passes. Pack: both splits stream through one `from_items(row groups) -> map_batches(PackDocuments)` pass.
+`PackDocuments` is an actor (one CPU each, `TokenizeConfig.num_workers` of them, never more than there are row
+groups: with fewer row groups each actor takes the CPUs of the missing ones and encodes with as many SentencePiece
+threads) that loads the SentencePiece model once, from bytes shipped with it, encodes a batch of documents per
+SentencePiece call, packs on numpy buffers and writes its shards itself (to a staging folder); only shard names
+and counts come back. Shuffle: the train split is rewritten as one seeded, uniform permutation of all its packed
+sequences (`shuffle_train`), so that consecutive sequences come from anywhere in the corpus, however it was
+ordered (a corpus assembled source by source would otherwise be trained on source by source). Validation keeps
+corpus order (pretraining draws a seeded sample of it).
 Like any Ray write to a path, the workdir must be reachable from every node (local disk on one node, NFS, ...).
 
 Boundary policy (RoBERTa's FULL-SENTENCES packing, [SEP] between documents): within one batch of `batch_size`
@@ -21,15 +25,18 @@ document each (`stages.segment_pairs`), padded to `max_seq_len`, with a `sop_lab
 Output: train/ and validation/ Parquet shards with columns
   input_ids: fixed_size_list<uint32>[max_seq_len]  (uint32: 128K ids do not fit uint16)
   length:    int32, tokens before the padding ([CLS] and [SEP] included), so attention masks need no scan
+  doc_id:    string, the corpus document the sequence's first token comes from (provenance)
   sop_label: int8, with segment_pairs only
-Shard i of corpus row group u is <split>/part-<u>-<i>.parquet (at most `rows_per_shard` sequences), so the same
-inputs give the same files. tokens.json (per split: documents, sequences, tokens, padding, files) holds the counts
-the manifest records.
+train/part-<j>.parquet holds positions [j * rows_per_shard, (j + 1) * rows_per_shard) of the permutation;
+validation shard i of corpus row group u is validation/part-<u>-<i>.parquet (at most `rows_per_shard` sequences).
+The same inputs and seed give the same files. tokens.json (per split: documents, sequences, tokens, padding,
+files) holds the counts the manifest records.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
@@ -48,22 +55,28 @@ if TYPE_CHECKING:
     from pipeline.artifacts import Artifact
     from pipeline.config import TokenizeConfig
 
-VERSION = "2"  # 2: row groups of ROW_GROUP_ROWS sequences (1: one per batch of documents); same sequences
+VERSION = "3"  # 3: train split globally shuffled, doc_id column; 2: row groups of ROW_GROUP_ROWS sequences
 
 SUMMARY_FILE = "tokens.json"
+STAGING = ".packed"  # the packed, not yet shuffled shards; removed before the artifact is complete
 ROW_GROUP_ROWS = 1024  # sequences per Parquet row group: 2 MiB of ids at 512 tokens
 
 
 def pack(docs: Sequence[Sequence[int]], max_seq_len: int, cls_id: int, sep_id: int,
-         pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """Pack documents' ids into (n, max_seq_len) uint32 rows and their unpadded lengths (see module docstring)."""
+         pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pack documents' ids into (n, max_seq_len) uint32 rows, their unpadded lengths, and for each row the index
+    (into `docs`) of the document its first content token belongs to (see module docstring)."""
     width = max_seq_len - 2  # content tokens per sequence, between [CLS] and [SEP]
     sep = np.array([sep_id], dtype=np.int32)  # the dtype of sentencepiece's arrays: one cast at the end
     parts = [part for d in docs if len(d) for part in (d, sep)]
     if not parts:
-        return np.empty((0, max_seq_len), dtype=np.uint32), np.empty(0, dtype=np.int32)
+        return np.empty((0, max_seq_len), dtype=np.uint32), np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int64)
     stream = np.concatenate(parts[:-1]).astype(np.uint32, copy=False)  # (T,) documents joined by [SEP]
     n = -(-len(stream) // width)
+    sizes = np.array([len(d) for d in docs])
+    kept = np.flatnonzero(sizes)  # documents in the stream; a [SEP] counts as part of the document before it
+    starts = np.cumsum(sizes[kept] + 1) - (sizes[kept] + 1)  # (D,) stream offset of each one's first token
+    first_doc = kept[np.searchsorted(starts, np.arange(n) * width, side="right") - 1]  # (n,)
     rest = len(stream) - (n - 1) * width  # content tokens of the last, possibly short, window
     rows = np.full((n, max_seq_len), pad_id, dtype=np.uint32)  # (n, L)
     rows[:, 0] = cls_id
@@ -73,14 +86,16 @@ def pack(docs: Sequence[Sequence[int]], max_seq_len: int, cls_id: int, sep_id: i
     rows[n - 1, rest + 1] = sep_id
     lengths = np.full(n, max_seq_len, dtype=np.int32)
     lengths[-1] = rest + 2
-    return rows, lengths
+    return rows, lengths, first_doc
 
 
-def to_table(rows: np.ndarray, lengths: np.ndarray, sop_labels: np.ndarray | None = None) -> pa.Table:
-    """(n, L) uint32 rows -> the output schema: input_ids fixed_size_list<uint32>[L], length int32 (and with
-    segment pairs sop_label int8)."""
+def to_table(rows: np.ndarray, lengths: np.ndarray, doc_ids: Sequence[str],
+             sop_labels: np.ndarray | None = None) -> pa.Table:
+    """(n, L) uint32 rows -> the output schema: input_ids fixed_size_list<uint32>[L], length int32, doc_id string
+    (and with segment pairs sop_label int8)."""
     ids = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1), type=pa.uint32()), rows.shape[1])
-    columns = {"input_ids": ids, "length": pa.array(lengths, type=pa.int32())}
+    columns = {"input_ids": ids, "length": pa.array(lengths, type=pa.int32()),
+               "doc_id": pa.array(doc_ids, type=pa.string())}
     if sop_labels is not None:
         columns[SOP_COLUMN] = pa.array(sop_labels, type=pa.int8())
     return pa.table(columns)
@@ -114,21 +129,23 @@ class PackDocuments:
 
     def packed_batches(self, path: str, row_group: int) -> Iterator[pa.Table]:
         reader = pq.ParquetFile(path)
-        columns = ["doc_id", "text"] if self.segment_pairs else ["text"]
-        for batch in reader.iter_batches(batch_size=self.batch_size, row_groups=[row_group], columns=columns):
+        for batch in reader.iter_batches(batch_size=self.batch_size, row_groups=[row_group],
+                                         columns=["doc_id", "text"]):
             texts = pc.fill_null(batch.column("text"), "").to_pylist()
             ids = self.tok.encode_arrays(texts, num_threads=self.threads)  # SentencePiece's own thread pool
             if self.segment_pairs:
                 yield self.pair_table(batch.column("doc_id").to_pylist(), ids)
             else:
-                yield to_table(*pack(ids, self.max_seq_len, self.tok.cls_id, self.tok.sep_id, self.tok.pad_id))
+                rows, lengths, first = pack(ids, self.max_seq_len, self.tok.cls_id, self.tok.sep_id, self.tok.pad_id)
+                yield to_table(rows, lengths, batch.column("doc_id").take(pa.array(first)))
 
     def pair_table(self, doc_ids: list[str], ids: list[np.ndarray]) -> pa.Table:
         """tokenize.segment_pairs: every document's sentence-order pairs (`stages.segment_pairs`), one per row."""
         parts = [segment_pairs(d, self.max_seq_len, self.tok.cls_id, self.tok.sep_id, self.tok.pad_id,
                                document_rng(self.seed, doc_id)) for doc_id, d in zip(doc_ids, ids)]
         rows, lengths, labels = (np.concatenate([p[i] for p in parts]) for i in range(3))
-        return to_table(rows.reshape(-1, self.max_seq_len), lengths, labels)
+        owners = [doc_id for doc_id, p in zip(doc_ids, parts) for _ in range(len(p[1]))]
+        return to_table(rows.reshape(-1, self.max_seq_len), lengths, owners, labels)
 
     def tokenize_unit(self, split: str, path: str, row_group: int,
                       unit: int) -> Iterator[tuple[str, int, int, float]]:
@@ -235,6 +252,52 @@ def tokenize_splits(files: dict[str, Sequence[Path]], tok: Tokenizer, cfg: Token
     return sorted(ds.iter_rows(), key=lambda shard: shard["file"])  # names sort in input order
 
 
+def scatter(units: dict[str, np.ndarray], rows_per_shard: int) -> pa.Table:
+    """One unshuffled train shard -> its sequences, each with its output `position` and the `shard` holding it."""
+    [path], [position] = units["path"], units["position"]
+    table = pq.read_table(str(path))
+    position = np.asarray(position, dtype=np.int64)
+    return table.append_column("position", pa.array(position)).append_column(
+        "shard", pa.array(position // rows_per_shard, type=pa.int32()))
+
+
+def write_permuted(group: pa.Table, out: str) -> pa.Table:
+    """All sequences of one output shard (any order) -> train/part-<shard>.parquet sorted by position."""
+    cpu = time.process_time()
+    shard = int(group.column("shard")[0].as_py())
+    rows = group.sort_by("position").drop_columns(["position", "shard"])
+    writer = _Shard(Path(out), f"train/part-{shard:05d}.parquet", rows.schema, cpu)
+    writer.add(rows)
+    name, sequences, tokens, seconds = writer.close()
+    return pa.table({"split": ["train"], "file": [name], "sequences": [sequences], "tokens": [tokens],
+                     "cpu_seconds": [seconds]})
+
+
+def shuffle_train(shards: list[dict], staged: Path, out: Path, cfg: TokenizeConfig) -> list[dict]:
+    """Write the staged train shards to out/train/ as one seeded uniform permutation of all their sequences.
+
+    The driver draws the permutation (8 bytes per train sequence: 640 MB for the paper's 160 GB of text) and
+    ships each staged shard its slice; Ray Data's groupby then moves every sequence to the task writing its
+    output shard (an all-to-all exchange through the object store, spilled to disk when larger), and that task
+    writes them sorted by position. The output depends only on the staged shards and `seed`, not on how Ray
+    scheduled the exchange. Memory per task: one staged shard or one output shard (`rows_per_shard` sequences).
+    """
+    import ray.data
+
+    sizes = [int(s["sequences"]) for s in shards]
+    position = np.random.default_rng(cfg.seed).permutation(sum(sizes))  # (N,) output position of sequence g
+    bounds = np.cumsum([0, *sizes])
+    units = [{"path": str(staged / s["file"]), "position": position[a:b]}
+             for s, a, b in zip(shards, bounds[:-1], bounds[1:]) if b > a]
+    (out / "train").mkdir()
+    if not units:
+        return []
+    ds = ray.data.from_items(units, override_num_blocks=len(units))
+    ds = ds.map_batches(scatter, batch_size=1, batch_format="numpy", fn_kwargs={"rows_per_shard": cfg.rows_per_shard})
+    ds = ds.groupby("shard").map_groups(write_permuted, batch_format="pyarrow", fn_kwargs={"out": str(out)})
+    return sorted(ds.take_all(), key=lambda shard: shard["file"])
+
+
 def summarize(files: Sequence[Path], shards: list[dict], max_seq_len: int) -> dict:
     sequences = sum(int(s["sequences"]) for s in shards)
     tokens = sum(int(s["tokens"]) for s in shards)
@@ -253,7 +316,13 @@ def run(cfg: TokenizeConfig, *, inputs: dict[str, Artifact], out: Path, ctx: Sta
     workers = num_workers(cfg)
     summary = {"max_seq_len": cfg.max_seq_len, "dtype": "uint32", "vocab_size": tok.vocab_size,
                "tokenizer_length": len(tok), "splits": {}}  # nothing machine-dependent: same inputs, same bytes
-    shards = tokenize_splits(corpus_files, tok, cfg, workers, out)
+    staged = out / STAGING
+    staged.mkdir()
+    packed = tokenize_splits(corpus_files, tok, cfg, workers, staged)
+    (staged / "validation").rename(out / "validation")
+    train = shuffle_train([s for s in packed if s["split"] == "train"], staged, out, cfg)
+    shutil.rmtree(staged)
+    shards = train + [s for s in packed if s["split"] == "validation"]
     for split in SPLITS:
         mine = [s for s in shards if s["split"] == split]
         summary["splits"][split] = summarize(corpus_files[split], mine, cfg.max_seq_len)
@@ -268,8 +337,8 @@ def run(cfg: TokenizeConfig, *, inputs: dict[str, Artifact], out: Path, ctx: Sta
                  "train_tokens_per_document": train["tokens"] / max(train["documents"], 1),
                  "num_workers": workers,
                  # CPU time stays out of tokens.json (it would change the artifact's bytes from run to run)
-                 "tokens_per_actor_cpu_second": sum(int(s["tokens"]) for s in shards)
-                 / max(sum(float(s["cpu_seconds"]) for s in shards), 1e-9)},
+                 "tokens_per_actor_cpu_second": sum(int(s["tokens"]) for s in packed)
+                 / max(sum(float(s["cpu_seconds"]) for s in packed), 1e-9)},
         counts=counts,
         log_files=(SUMMARY_FILE,),
         summary={"tokens": f"{train['sequences']:,} train sequences x {cfg.max_seq_len} "

@@ -13,25 +13,31 @@ CLS, SEP, PAD = 1, 2, 0
 
 
 def test_pack_joins_documents_with_sep_and_frames_every_window():
-    rows, lengths = pack([[10, 11, 12], [20, 21], [30]], max_seq_len=6, cls_id=CLS, sep_id=SEP, pad_id=PAD)
+    rows, lengths, first = pack([[10, 11, 12], [20, 21], [30]], max_seq_len=6, cls_id=CLS, sep_id=SEP, pad_id=PAD)
     # stream: 10 11 12 SEP 20 21 SEP 30 (8 tokens) -> windows of 4
     assert rows.tolist() == [[CLS, 10, 11, 12, SEP, SEP],
                              [CLS, 20, 21, SEP, 30, SEP]]
     assert lengths.tolist() == [6, 6] and rows.dtype == np.uint32
+    assert first.tolist() == [0, 1]  # the document each row's first content token belongs to
 
 
 def test_pack_pads_only_the_last_window_after_its_sep():
-    rows, lengths = pack([[5] * 7, [], [6]], max_seq_len=6, cls_id=CLS, sep_id=SEP, pad_id=PAD)
+    rows, lengths, first = pack([[5] * 7, [], [6]], max_seq_len=6, cls_id=CLS, sep_id=SEP, pad_id=PAD)
     # stream: 5x7 SEP 6 (9 tokens); the empty document adds nothing
     assert rows.tolist() == [[CLS, 5, 5, 5, 5, SEP], [CLS, 5, 5, 5, SEP, SEP], [CLS, 6, SEP, PAD, PAD, PAD]]
     assert lengths.tolist() == [6, 6, 3]
+    assert first.tolist() == [0, 0, 2]  # a window opening on the [SEP] after a document belongs to it
 
 
 def test_pack_long_document_continues_and_nothing_is_lost():
     rng = np.random.default_rng(0)
     docs = [rng.integers(4, 1000, size=n).tolist() for n in (0, 1, 509, 510, 511, 2000, 3)]
-    rows, lengths = pack(docs, max_seq_len=512, cls_id=CLS, sep_id=SEP, pad_id=PAD)
+    rows, lengths, first = pack(docs, max_seq_len=512, cls_id=CLS, sep_id=SEP, pad_id=PAD)
     assert rows.shape[1] == 512 and (rows[:, 0] == CLS).all()
+    for row, owner in zip(rows, first):  # a row's tokens up to its first [SEP] are a piece of its document
+        head = row[1:][: list(row[1:]).index(SEP)]
+        doc = "," + ",".join(map(str, docs[owner])) + ","
+        assert "," + ",".join(map(str, head.tolist())) + "," in doc or len(head) == 0
     assert (rows[np.arange(len(rows)), lengths - 1] == SEP).all()
     content = np.concatenate([r[1:n - 1] for r, n in zip(rows, lengths)])
     expected = np.concatenate([np.r_[d, SEP] for d in docs if d])[:-1]
@@ -40,14 +46,15 @@ def test_pack_long_document_continues_and_nothing_is_lost():
 
 
 def test_pack_empty_batch():
-    rows, lengths = pack([[], []], max_seq_len=8, cls_id=CLS, sep_id=SEP, pad_id=PAD)
+    rows, lengths, _ = pack([[], []], max_seq_len=8, cls_id=CLS, sep_id=SEP, pad_id=PAD)
     assert rows.shape == (0, 8) and lengths.shape == (0,)
 
 
 def test_to_table_schema_is_fixed_size_uint32():
-    rows, lengths = pack([[7, 8, 9]], max_seq_len=4, cls_id=CLS, sep_id=SEP, pad_id=PAD)
-    table = to_table(rows, lengths)
+    rows, lengths, _ = pack([[7, 8, 9]], max_seq_len=4, cls_id=CLS, sep_id=SEP, pad_id=PAD)
+    table = to_table(rows, lengths, ["doc-a", "doc-a"])
     assert table.schema.field("input_ids").type == pa.list_(pa.uint32(), 4)
+    assert table.column("doc_id").to_pylist() == ["doc-a", "doc-a"]
     assert table.column("input_ids").to_pylist() == [[CLS, 7, 8, SEP], [CLS, 9, SEP, PAD]]
     assert table.column("length").to_pylist() == [4, 3]
 
@@ -71,9 +78,9 @@ def test_shard_writes_whole_row_groups_whatever_the_batches(tmp_path):
     rng = np.random.default_rng(1)
     shard = None
     for _ in range(40):  # batches of 60-70 sequences, as the packer emits them
-        rows, lengths = pack([rng.integers(4, 100, size=int(n)).tolist() for n in rng.integers(50, 600, 80)],
+        rows, lengths, _ = pack([rng.integers(4, 100, size=int(n)).tolist() for n in rng.integers(50, 600, 80)],
                              max_seq_len=8, cls_id=CLS, sep_id=SEP, pad_id=PAD)
-        table = to_table(rows[:65], lengths[:65])
+        table = to_table(rows[:65], lengths[:65], ["d"] * 65)
         shard = shard or _Shard(tmp_path, "part.parquet", table.schema, 0.0)
         shard.add(table)
     name, sequences, tokens, _ = shard.close()
