@@ -31,7 +31,9 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
+import pyarrow.compute  # noqa: E402,F401  (pa.compute)
 import pyarrow.parquet as pq  # noqa: E402
 
 from pipeline.artifacts import Artifact  # noqa: E402
@@ -105,6 +107,56 @@ def time_stage(root: Path, corpus: Artifact, vocab: Artifact, cfg: TokenizeConfi
     return seconds, written / result.metrics["tokens_per_actor_cpu_second"]
 
 
+def profile(tok: Tokenizer, corpus: Artifact, cfg: TokenizeConfig, root: Path) -> dict[str, float]:
+    """CPU seconds of each phase of the stage's per-token work, run in this process on one thread (the actors'
+    code: `PackDocuments` and the shuffle's `scatter`/`write_permuted`), without Ray: where the time goes."""
+    out = _mkdir(root / "profile")
+    _mkdir(out / "train")
+    phases = dict.fromkeys(("read text", "encode", "pack + table", "write packed", "shuffle: read + key",
+                            "shuffle: sort + write"), 0.0)
+    clock = time.process_time
+    staged = []
+    for f in sorted((corpus.path / "train").glob("*.parquet")):
+        writer = None
+        t = clock()
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=cfg.batch_size, columns=["doc_id", "text"]):
+            texts = pa.compute.fill_null(batch.column("text"), "").to_pylist()
+            phases["read text"] += clock() - t
+            t = clock()
+            ids = tok.encode_arrays(texts, num_threads=1)
+            phases["encode"] += clock() - t
+            t = clock()
+            rows, lengths, first = tokenize_stage.pack(ids, cfg.max_seq_len, tok.cls_id, tok.sep_id, tok.pad_id)
+            table = tokenize_stage.to_table(rows, lengths, batch.column("doc_id").take(pa.array(first)))
+            phases["pack + table"] += clock() - t
+            t = clock()
+            writer = writer or tokenize_stage._Shard(out, f"train/{f.stem}.parquet", table.schema, 0.0)
+            writer.add(table)
+            phases["write packed"] += clock() - t
+            t = clock()
+        t = clock()
+        staged.append(writer.close())
+        phases["write packed"] += clock() - t
+    sizes = [n for _, n, _, _ in staged]
+    position = np.random.default_rng(0).permutation(sum(sizes))
+    bounds, groups = np.cumsum([0, *sizes]), []
+    t = clock()
+    for (name, *_), a, b in zip(staged, bounds[:-1], bounds[1:]):
+        groups.append(tokenize_stage.scatter({"path": [str(out / name)], "position": [position[a:b]]},
+                                             cfg.rows_per_shard))
+    table = pa.concat_tables(groups)  # the exchange itself (object store, Ray) is not in this profile
+    phases["shuffle: read + key"] = clock() - t
+    _mkdir(root / "profile-out" / "train")
+    t = clock()
+    for shard in np.unique(table.column("shard").to_numpy()):
+        mask = pa.compute.equal(table.column("shard"), int(shard))
+        tokenize_stage.write_permuted(table.filter(mask), str(root / "profile-out"))
+    phases["shuffle: sort + write"] = clock() - t
+    shutil.rmtree(out)
+    shutil.rmtree(root / "profile-out")
+    return phases
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--copies", type=int, default=8, help="times the 3,824 news articles are repeated (8: 102 MB)")
@@ -149,6 +201,7 @@ def main() -> None:
             seconds, cpu = time_stage(root, corpus, vocab, cfg, rep)
             times[w]["seconds"], times[w]["cpu"] = min(times[w]["seconds"], seconds), min(times[w]["cpu"], cpu)
     ray.shutdown()
+    phases = profile(tok, corpus, TokenizeConfig(max_seq_len=args.max_seq_len, batch_size=args.batch_size), root)
     shutil.rmtree(root, ignore_errors=True)
 
     base_rate = tokens / base_s
@@ -170,6 +223,7 @@ def main() -> None:
         "single_process_lists": {"seconds": list_s, "tokens_per_s": tokens / list_s, "api": "encode",
                                  "cpu_seconds": list_cpu},
         "stage": stage,
+        "profile_cpu_seconds": phases,
     }
     if 2 in workers:
         report["two_processes_plain"] = {"seconds": two_s, "tokens_per_s": tokens / two_s,
@@ -190,6 +244,9 @@ def main() -> None:
         print(f"{f'stage, {w} worker(s)':<22}{s['seconds']:>8.1f}{s['tokens_per_s']:>12,.0f}"
               f"{s['per_worker_vs_single']:>16.2f}{s['marginal_per_worker_vs_single']:>18.2f}"
               f"{s['cpu_efficiency_vs_single']:>19.2f}{s['cpu_efficiency_vs_single_lists']:>9.2f}")
+    print("\nwhere one worker's CPU goes (in-process, 1 thread; Ray start-up and the exchange excluded):")
+    for phase, seconds in phases.items():
+        print(f"  {phase:<24}{seconds:>7.2f} s  {seconds / phases['encode']:>5.2f} x encode")
     if "scaling_2_vs_1" in report:
         print(f"scaling 2 vs 1 worker: {report['scaling_2_vs_1']:.2f} x linear end to end, "
               f"{report['marginal_scaling_2_vs_1']:.2f} x marginal (goal >= 0.8); two plain processes here: "

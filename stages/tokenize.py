@@ -292,9 +292,21 @@ def shuffle_train(shards: list[dict], staged: Path, out: Path, cfg: TokenizeConf
     (out / "train").mkdir()
     if not units:
         return []
-    ds = ray.data.from_items(units, override_num_blocks=len(units))
-    ds = ds.map_batches(scatter, batch_size=1, batch_format="numpy", fn_kwargs={"rows_per_shard": cfg.rows_per_shard})
-    ds = ds.groupby("shard").map_groups(write_permuted, batch_format="pyarrow", fn_kwargs={"out": str(out)})
+    shards_out = -(-len(position) // cfg.rows_per_shard)
+    context = ray.data.DataContext.get_current()
+    previous = context.shuffle_strategy
+    # Ray Data's default exchange (SHUFFLE_V2) starts aggregator actors: 9.3 s against 1.3 s for the task-based
+    # sort shuffle on 14k sequences here. A dataset keeps the context it was created with; restored after.
+    context.shuffle_strategy = ray.data.context.ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
+    try:
+        ds = ray.data.from_items(units, override_num_blocks=len(units))
+        ds = ds.map_batches(scatter, batch_size=1, batch_format="numpy",
+                            fn_kwargs={"rows_per_shard": cfg.rows_per_shard})
+        # One partition per output shard (the default, 200, would start that many reduce tasks for any size).
+        ds = ds.groupby("shard", num_partitions=shards_out).map_groups(write_permuted, batch_format="pyarrow",
+                                                                       fn_kwargs={"out": str(out)})
+    finally:
+        context.shuffle_strategy = previous
     return sorted(ds.take_all(), key=lambda shard: shard["file"])
 
 
