@@ -130,7 +130,7 @@ def profile(tok: Tokenizer, corpus: Artifact, cfg: TokenizeConfig, root: Path) -
             table = tokenize_stage.to_table(rows, lengths, batch.column("doc_id").take(pa.array(first)))
             phases["pack + table"] += clock() - t
             t = clock()
-            writer = writer or tokenize_stage._Shard(out, f"train/{f.stem}.parquet", table.schema, 0.0)
+            writer = writer or tokenize_stage._Shard(out, f"train/{f.stem}.arrow", table.schema, 0.0)
             writer.add(table)
             phases["write packed"] += clock() - t
             t = clock()

@@ -264,7 +264,7 @@ def test_encoder_threads_do_not_change_the_shards(vocab, corpus, tmp_path):
         packer = tokenize_stage.PackDocuments(tok, TOKENIZE.max_seq_len, TOKENIZE.batch_size, 100, str(out), threads)
         files = [name for name, *_ in packer.tokenize_unit("train", str(shard), 0, 7)]
         assert files and all(name.startswith("train/part-00007-") for name in files)
-        tables.append(pa.concat_tables([pq.read_table(out / name) for name in files]))
+        tables.append(pa.concat_tables([tokenize_stage.read_staged(str(out / name)) for name in files]))
     assert tables[0].equals(tables[1]) and tables[0].num_rows > 100  # rows_per_shard=100: several shards
 
 
