@@ -17,6 +17,7 @@ whichever backend is underneath. Distribution is applied here, from outside the 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -167,26 +168,73 @@ def _load(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
         raise ValueError(f"weights do not fit the model: {len(unexpected)} unknown tensors, e.g. {unexpected[:3]}")
 
 
+def _heap_trimmer() -> Callable[[], None]:
+    """glibc's `malloc_trim(0)`: return the free pages of its heaps to the OS (a no-op where there is no glibc).
+
+    Why: after the first large free, glibc raises its mmap threshold (up to 32 MiB), so later tensors of that size
+    come from its heaps, and their pages stay resident after they are freed. Building a ZeRO-3 model frees a
+    full-size tensor per parameter (DeepSpeed's gathers and partitioning), so those pages piled up: measured, a
+    rank of a 307M-parameter model held 1.12-1.13 GiB after `construct`, of which 0.48-0.51 GiB was free heap.
+    """
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    return lambda: trim(0)
+
+
+@contextlib.contextmanager
+def _zero_init(ds_config: dict[str, Any]):
+    """`deepspeed.zero.Init` that hands freed heap pages back after each module is partitioned, and after each
+    module DeepSpeed's `apply` gathered, initialised and re-partitioned (the model's own `self.apply(init)`)."""
+    import deepspeed
+
+    trim = _heap_trimmer()
+
+    class TrimmingInit(deepspeed.zero.Init):
+        def _post_init_method(self, module):
+            super()._post_init_method(module)
+            trim()
+
+    torch_apply = nn.Module.apply
+    try:
+        with TrimmingInit(config_dict_or_path=ds_config):
+            gathering_apply = nn.Module.apply  # DeepSpeed's, while the context is open
+
+            def apply(module: nn.Module, fn):
+                out = gathering_apply(module, fn)  # recursion reaches every child through this wrapper
+                trim()
+                return out
+
+            nn.Module.apply = apply
+            yield
+    finally:
+        nn.Module.apply = torch_apply
+
+
 def _init_zero3(model: nn.Module, init_module: Callable[[nn.Module], None] | None,
                 weights: Mapping[str, torch.Tensor] | None) -> None:
     """Under `zero.Init` the constructor ran on empty shards: initialise (and load) module by module, each one's
-    parameters gathered on rank 0 and re-partitioned, so memory peaks at the largest module."""
+    parameters gathered on every rank (rank 0's values kept) and re-partitioned, so memory peaks at the largest
+    module."""
     import deepspeed
 
+    trim = _heap_trimmer()
     known = set()
     for prefix, module in model.named_modules():
         own = list(module.named_parameters(recurse=False))
         names = {f"{prefix}.{n}" if prefix else n: t for n, t in [*own, *module.named_buffers(recurse=False)]}
         known |= set(names)
-        if not own:
-            continue
+        loaded = [key for key in names if weights is not None and key in weights]
+        if not own or (init_module is None and not loaded):
+            continue  # nothing to write: no gather
         with deepspeed.zero.GatheredParameters([t for _, t in own], modifier_rank=0):
             if init_module is not None:
                 init_module(module)
-            for key, tensor in names.items():
-                if weights is not None and key in weights:
-                    with torch.no_grad():
-                        tensor.copy_(weights[key])
+            with torch.no_grad():
+                for key in loaded:
+                    names[key].copy_(weights[key])
+        trim()
     unexpected = sorted(set(weights or {}) - known)
     if unexpected:
         raise ValueError(f"weights do not fit the model: {len(unexpected)} unknown tensors, e.g. {unexpected[:3]}")
@@ -196,17 +244,43 @@ def construct(make_model: Callable[[], nn.Module], ds_config: dict[str, Any],
               init_module: Callable[[nn.Module], None] | None = None,
               weights: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
     """The model for a DeepSpeed engine: under ZeRO-3 built inside `deepspeed.zero.Init` (each module partitioned
-    as soon as it exists) and initialised/loaded module by module; otherwise built whole. Needs the process group."""
-    import deepspeed
+    as soon as it exists) and initialised/loaded module by module; otherwise built whole. Needs the process group.
 
+    What bounds a rank's memory while it builds under ZeRO-3: its own shards (1/world of the model) plus one module
+    at a time. A parameter exists in full once when its module's constructor makes it (DeepSpeed partitions it
+    right after), and again whenever its module is gathered (the model's own `self.apply(init)`, `init_module`,
+    `weights`); over gloo a gather takes twice the module (torch's gloo all-gather allocates its output a second
+    time). Freed heap pages go back to the OS after every module (`_heap_trimmer`). Under NCCL all of this is GPU
+    memory. Measured with `bench/zero_init_memory.py` (2 CPU gloo ranks, fp32), peak RSS rise of each rank:
+    the 1.5B's layer x 10, V=8,000 (307M parameters, 1.14 GiB): 1.14-1.17 GiB (1.0x) before the heap trimming,
+    0.69-0.71 GiB (0.60-0.62x) after, its shards being 0.5x (`tests/unit/test_zero_init.py` holds it under 0.7x);
+    H=2048 x 6, V=8,000 (376M, 1.40 GiB): 1.32-1.44 GiB (0.94-1.03x) before, 0.87 GiB (0.62x) after; large's
+    width x 14 with its 128,100 x 1024 embedding (340M, the embedding 0.49 of 1.27 GiB): 2.05-2.06 GiB (1.62x)
+    before, 1.65 GiB (1.31x) after: that embedding, gathered over gloo, is the peak. DeepSpeed's own memory comes
+    later and is not counted here: `deepspeed.initialize` adds an fp32 copy of the shards and gradient buffers, the
+    first step Adam's moments.
+    """
     zero3 = ds_config.get("zero_optimization", {}).get("stage", 0) == 3
-    with deepspeed.zero.Init(config_dict_or_path=ds_config) if zero3 else contextlib.nullcontext():
+    with _zero_init(ds_config) if zero3 else contextlib.nullcontext():
         model = make_model()
     if zero3:
         _init_zero3(model, init_module, weights)
     elif weights is not None:
         _load(model, weights)
     return model
+
+
+def deepspeed_engine(model: nn.Module, spec: OptimSpec, ds_config: dict[str, Any], fused: bool = False) -> Engine:
+    """`deepspeed.initialize` around a `construct`ed model and its client AdamW + schedule."""
+    import deepspeed
+
+    optimizer, scheduler = make_optimizer(model, spec, fused=fused)
+    ds_engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                              lr_scheduler=scheduler, config=ds_config)
+    # it moves and copies the shards into its flat buffers; glibc would keep the pages they leave
+    # (measured: 0.3-0.4 GiB of a rank of a 335M-parameter model)
+    _heap_trimmer()()
+    return Engine(model, optimizer, scheduler, spec, ds_engine)
 
 
 def build(make_model: Callable[[], nn.Module], spec: OptimSpec, *, ds_config: dict[str, Any] | None = None,
@@ -217,11 +291,9 @@ def build(make_model: Callable[[], nn.Module], spec: OptimSpec, *, ds_config: di
     pretrained backbone of a fine-tuning trial), and wrap it in its engine.
 
     `ds_config` None: a plain torch engine on `device`. Otherwise DeepSpeed on the process group `backend`
-    (nccl/gloo) describes; under ZeRO-3 the model is built inside `deepspeed.zero.Init` (each module partitioned
-    as soon as it is built, so that a 1.5B model need not be materialised whole on every rank), and `init_module`
-    (the model library's per-module init) runs again on the gathered modules (`_init_zero3`). Measured on 2 CPU
-    (gloo) ranks, a 356M-parameter model still grew each rank's resident memory by 1.9-2.2 GiB (fp32: 1.33 GiB):
-    the saving is yet to be shown on CPU; GPUs are where it is meant to matter.
+    (nccl/gloo) describes (`construct`, then `deepspeed_engine`); under ZeRO-3 the model is built inside
+    `deepspeed.zero.Init`, so that no rank materialises the whole model (`construct` says what bounds a rank's
+    memory, measured), and `init_module` (the model library's per-module init) runs again on the gathered modules.
     """
     if seed is not None:
         torch.manual_seed(seed)
@@ -233,11 +305,5 @@ def build(make_model: Callable[[], nn.Module], spec: OptimSpec, *, ds_config: di
         model = model.to(device)
         optimizer, scheduler = make_optimizer(model, spec, fused=fused)
         return Engine(model, optimizer, scheduler, spec)
-    import deepspeed
-
     init_distributed(backend)
-    model = construct(make_model, ds_config, init_module, weights)
-    optimizer, scheduler = make_optimizer(model, spec, fused=fused)
-    ds_engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                              lr_scheduler=scheduler, config=ds_config)
-    return Engine(model, optimizer, scheduler, spec, ds_engine)
+    return deepspeed_engine(construct(make_model, ds_config, init_module, weights), spec, ds_config, fused)
