@@ -321,6 +321,11 @@ class PretrainConfig(Section):
 class FinetuneConfig(Section):
     task: str = "rotten-tomatoes"
     """Built-in task name or a directory of GLUE-format train/dev files (see README)."""
+    init: str = ""
+    """The checkpoint to fine-tune: "" = this pipeline's pretrain artifact; an HF DeBERTa-v2 directory; or a
+    registry version, models:/NAME/VERSION or models:/NAME@ALIAS (downloaded into the workdir). Not empty, the
+    finetune stage runs alone with the checkpoint's architecture as the [model] section (`--pretrained X` is
+    short for it)."""
     dropout: tuple[float, ...] = (0.0, 0.1, 0.15)
     """Grid: task-layer dropout (Table 9)."""
     warmup_steps: tuple[int, ...] = (50, 100, 500, 1000)
@@ -363,8 +368,9 @@ class FinetuneConfig(Section):
     use_gpu: bool = False
     """Fine-tune on GPUs (one per trial, or per worker with trainer=deepspeed)."""
 
-    HOW: ClassVar[frozenset[str]] = frozenset({"task", "max_concurrent_trials", "cpus_per_trial"})
-    """`task` names where the examples come from; the task's own id (a digest of its examples) is the input."""
+    HOW: ClassVar[frozenset[str]] = frozenset({"task", "init", "max_concurrent_trials", "cpus_per_trial"})
+    """`task` and `init` name where the examples and the checkpoint come from; their own ids (digests) are the
+    stage's inputs, so one checkpoint reached by two paths is one artifact."""
 
     def check(self) -> None:
         _check(self.scheduler in ("grid", "asha"), f"finetune.scheduler={self.scheduler!r}: use grid or asha")

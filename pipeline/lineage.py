@@ -5,12 +5,10 @@ stage's resolved config as params, its artifact id and input ids as tags, and it
 MLflow datasets with digests, so any registered model can be walked back to the corpus.
 `Tracker` wraps one run by id (no global "active run"), so it pickles into Ray workers.
 
-Registry versions are MLflow Models: `Tracker.log_hf_model` logs a `deberta.hf` export directory with MLflow's
-`transformers` flavor as an MLflow 3 logged model linked to the run, and `register_model` registers that.
-The flavor rather than a pyfunc of ours: the model's files stay plain HF directories (model/, components/tokenizer/)
-that any `transformers` user loads, `mlflow.pyfunc` predicts through `transformers.pipeline` (text pairs and
-regression included), and `mlflow models serve` serves it with no code of ours to ship or import - a custom
-PythonModel would have to carry this package (or a models-from-code file) into every serving environment.
+Registry versions are MLflow Models: `Tracker.log_hf_model` logs a `deberta.hf` export directory as a pyfunc
+(pipeline/hf_pyfunc.py, "models from code": why not the `transformers` flavor is said there) in an MLflow 3 logged
+model linked to the run, and `register_model` registers that. `download_registered_model` brings a version's export
+back to disk (`finetune.init=models:/NAME/VERSION`).
 """
 
 from __future__ import annotations
@@ -26,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
+from mlflow.data.dataset_source import DatasetSource
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
@@ -36,10 +35,14 @@ TAG_STATUS = "pipeline.status"
 # MLflow 3.17's UI opens an experiment by this tag: "custom_model_development" -> the Runs tab of the "Machine
 # learning" workflow. Untagged, the page keeps the sidebar's workflow, which defaults to GenAI (traces).
 TAG_EXPERIMENT_KIND, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
-HF_TASKS = ("fill-mask", "text-classification")
-# What an HF export needs at load time. Given, the flavor does not infer them (it would load the model again in a
-# subprocess, and adds torchvision); local version labels (+cpu) are dropped so the pins resolve on any index.
-HF_REQUIREMENTS = ("transformers", "tokenizers", "safetensors", "torch")
+# task -> the input columns a logged model may take (pipeline/hf_pyfunc.py): a classifier reads a task's sentence
+# columns (sentence2 only for pair tasks), the encoders a `text` (fill-mask: with [MASK]).
+HF_TASKS = {"text-classification": (("sentence1",), ("sentence1", "sentence2")),
+            "fill-mask": (("text",),), "feature-extraction": (("text",),)}
+HF_PYFUNC = Path(__file__).with_name("hf_pyfunc.py")
+# What the model needs at load time. Given, MLflow does not infer them (it would load the model again in a
+# subprocess); local version labels (+cpu) are dropped so the pins resolve on any index.
+HF_REQUIREMENTS = ("transformers", "tokenizers", "safetensors", "torch", "pandas")
 
 
 def default_tracking_uri(workdir: Path) -> str:
@@ -82,16 +85,24 @@ def _tracking_uri(uri: str):
             os.environ["MLFLOW_TRACKING_URI"] = previous_env
 
 
-def _hf_signature(task: str, example):
-    """Inputs: the example's string columns (text, and text_pair for pair tasks); outputs: label + score, or the
-    fill-mask pipeline's best token."""
+def _hf_signature(task: str, columns: list[str], hf_dir: Path):
+    """Inputs: the example's string columns; outputs as pipeline/hf_pyfunc.py answers for the task (a regression
+    head, problem_type "regression" in its config.json: the score alone)."""
     from mlflow.models import ModelSignature
-    from mlflow.types import ColSpec, Schema
+    from mlflow.types import ColSpec, DataType, Schema
+    from mlflow.types.schema import Array
 
-    inputs = Schema([ColSpec("string", str(c)) for c in example.columns])
+    inputs = Schema([ColSpec("string", c) for c in columns])
     if task == "text-classification":
-        return ModelSignature(inputs, Schema([ColSpec("string", "label"), ColSpec("double", "score")]))
-    return ModelSignature(inputs, Schema([ColSpec("string")]))
+        config = json.loads((hf_dir / "config.json").read_text())
+        regression = config.get("problem_type") == "regression" or len(config.get("id2label", {})) == 1
+        outputs = [ColSpec("double", "score")] if regression else [ColSpec("string", "label"),
+                                                                     ColSpec("double", "score")]
+    elif task == "fill-mask":
+        outputs = [ColSpec("string", "token"), ColSpec("double", "score"), ColSpec("string", "sequence")]
+    else:
+        outputs = [ColSpec(Array(DataType.double), "embedding")]
+    return ModelSignature(inputs, Schema(outputs))
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,32 +157,32 @@ class Tracker:
 
     def log_hf_model(self, hf_dir: Path | str, *, task: str, input_example, name: str = "model",
                      tags: dict[str, Any] | None = None) -> str:
-        """Log an HF directory (`deberta.hf.save_pretrained`) as an MLflow Model with the `transformers` flavor:
-        an MLflow 3 logged model in this run's experiment whose source run is this one. Returns its URI,
-        `models:/<model_id>`, for `register_model(model_uri=...)`.
+        """Log an HF directory (`deberta.hf.save_pretrained`) as an MLflow Model - pipeline/hf_pyfunc.py over the
+        directory, kept whole as the model's artifact `hf` - in an MLflow 3 logged model of this run's experiment
+        whose source run is this one. Returns its URI, `models:/<model_id>`, for `register_model(model_uri=...)`.
 
-        task: "fill-mask" or "text-classification". input_example: a pandas DataFrame (or dict of lists) with a
-        `text` column, and `text_pair` for pair tasks; its columns become the signature's inputs.
+        task: a key of HF_TASKS. input_example: a pandas DataFrame (or dict of lists) whose columns are the model's
+        inputs: `sentence1` (and `sentence2` for pair tasks) for text-classification, `text` otherwise.
         """
         import pandas as pd
 
         hf_dir = Path(hf_dir).resolve()  # an absolute path is never taken for a Hub repo id
         if task not in HF_TASKS:
-            raise ValueError(f"log_hf_model: task={task!r}; choose one of {HF_TASKS}")
+            raise ValueError(f"log_hf_model: task={task!r}; choose one of {tuple(HF_TASKS)}")
         if not (hf_dir / "config.json").is_file() or not (hf_dir / "tokenizer.json").is_file():
             raise FileNotFoundError(f"log_hf_model: {hf_dir} lacks config.json or tokenizer.json; write it with "
                                     f"deberta.hf.save_pretrained(model, dir, vocab_dir=...)")
         example = pd.DataFrame(input_example)
-        if "text" not in example.columns or set(example.columns) - {"text", "text_pair"}:
-            raise ValueError(f"log_hf_model: input_example has columns {list(example.columns)}; give `text` "
-                             f"(and `text_pair` for pair tasks)")
-        # Created here, not by log_model: MLflow 3.17 files a new logged model under the fluent API's active
+        if tuple(example.columns) not in HF_TASKS[task]:
+            raise ValueError(f"log_hf_model: input_example has columns {list(example.columns)}; a {task} model "
+                             f"takes {' or '.join(map(str, map(list, HF_TASKS[task])))}")
+        # Created here, not by Model.log: MLflow 3.17 files a new logged model under the fluent API's active
         # experiment (the default one, "0"), not under its source run's.
         logged = self.client.create_logged_model(
             self.experiment_id, name=name, source_run_id=self.run_id, model_type=task,
             params=self.client.get_run(self.run_id).data.params,
             tags={k: str(v) for k, v in (tags or {}).items()} or None)
-        _log_transformers_model(self.tracking_uri, self.run_id, logged.model_id, hf_dir, task, example)
+        _log_pyfunc_model(self.tracking_uri, self.run_id, logged.model_id, hf_dir, task, example)
         return f"models:/{logged.model_id}"
 
     def register_model(self, name: str, artifact_path: str | None = None, tags: dict[str, Any] | None = None,
@@ -203,26 +214,23 @@ class Tracker:
         return str(mv.version)
 
 
-def _log_transformers_model(tracking_uri: str, run_id: str, model_id: str, hf_dir: Path, task: str, example) -> None:
-    """Fill logged model `model_id` with the HF directory as a `transformers`-flavor MLflow Model."""
-    import mlflow.transformers
-    import transformers
-    from huggingface_hub import ModelCard
+def _log_pyfunc_model(tracking_uri: str, run_id: str, model_id: str, hf_dir: Path, task: str, example) -> None:
+    """Fill logged model `model_id` with pipeline/hf_pyfunc.py over the HF directory."""
+    import tempfile
 
-    # MLflow 3.17's directory form (log_model(str(hf_dir), task=...)) fails on transformers 5 (`check_task` now
-    # names the pipeline class as a string: AttributeError '__name__'); a pipeline in memory takes the flavor's
-    # main path. It reads the directory offline and holds the model once in memory (fp32: 4 bytes a parameter).
-    pipe = transformers.pipeline(task, model=str(hf_dir), tokenizer=str(hf_dir))
-    readme = hf_dir / "README.md"
-    with _tracking_uri(tracking_uri):
-        mlflow.transformers.log_model(
-            pipe, name="model", task=task, model_id=model_id, run_id=run_id,
-            signature=_hf_signature(task, example), input_example=example,
-            # given, the card is not looked up on the Hub (the flavor would try the local path as a repo id)
-            model_card=ModelCard.load(readme) if readme.is_file() else None,
+    from mlflow.models import Model
+
+    with tempfile.TemporaryDirectory() as tmp, _tracking_uri(tracking_uri):
+        # the task and input columns as an artifact, not as model_config: Model.log copies a model_config into the
+        # run's params, where a second model of the same run would collide with the first
+        interface = Path(tmp) / "interface.json"
+        interface.write_text(json.dumps({"task": task, "inputs": list(example.columns)}) + "\n")
+        # Model.log rather than mlflow.pyfunc.log_model, which cannot name the run (it would need an active one)
+        Model.log(
+            artifact_path=None, name="model", flavor=mlflow.pyfunc, run_id=run_id, model_id=model_id,
+            python_model=str(HF_PYFUNC), artifacts={"hf": str(hf_dir), "interface": str(interface)},
+            signature=_hf_signature(task, list(example.columns), hf_dir), input_example=example,
             pip_requirements=[f"{p}=={metadata.version(p).split('+')[0]}" for p in HF_REQUIREMENTS],
-            # truncate to the tokenizer's model_max_length (fine-tuning's max_seq_len), pairs longest first
-            model_config={"truncation": True} if task == "text-classification" else None,
         )
 
 
@@ -276,8 +284,135 @@ class Lineage:
         for name, (art_id, digest, source) in inputs.items():
             with warnings.catch_warnings():  # local paths match two equivalent source types
                 warnings.simplefilter("ignore")
-                src = resolve_dataset_source(source)
+                src = RegistrySource(source) if source.startswith(MODELS_URI) else resolve_dataset_source(source)
             ds = MetaDataset(source=src, name=f"{name}:{art_id}", digest=digest)
             entries.append(DatasetInput(ds._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", name)]))
         if entries:
             tracker.client.log_inputs(tracker.run_id, datasets=entries)
+
+
+# ----------------------------------------------------------------------------------------------- registry -> disk
+
+MODELS_URI = "models:/"
+
+
+class RegistrySource(DatasetSource):
+    """A registry version (`models:/NAME/VERSION`) as the source of a run's input dataset: MLflow resolves no source
+    type for models:/ URIs, and the lineage should name the version, not the directory it was downloaded to."""
+
+    def __init__(self, uri: str):
+        self.uri = uri
+
+    @staticmethod
+    def _get_source_type() -> str:
+        return "mlflow_registry"
+
+    def load(self, **kwargs):
+        raise NotImplementedError("download it with pipeline.lineage.download_registered_model")
+
+    @staticmethod
+    def _can_resolve(raw_source) -> bool:
+        return isinstance(raw_source, str) and raw_source.startswith(MODELS_URI)
+
+    @classmethod
+    def _resolve(cls, raw_source) -> "RegistrySource":
+        return cls(raw_source)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"uri": self.uri}
+
+    @classmethod
+    def from_dict(cls, source_dict) -> "RegistrySource":
+        return cls(source_dict["uri"])
+
+
+@dataclass(frozen=True)
+class RegisteredExport:
+    """A registry version's HF export, on local disk."""
+
+    uri: str
+    """models:/NAME/VERSION: the version itself (an alias resolved; a version never changes)."""
+    path: Path
+    source: str
+    """The version's source: its logged model (models:/<model_id>) or run artifact (runs:/...)."""
+
+
+def _parse_models_uri(uri: str) -> tuple[str, str | None, str | None]:
+    """models:/NAME/VERSION -> (name, version, None); models:/NAME@ALIAS -> (name, None, alias)."""
+    rest = uri.removeprefix(MODELS_URI)
+    name, sep, version = rest.partition("/")
+    if sep and name and version.isdigit():
+        return name, version, None
+    name, sep, alias = rest.partition("@")
+    if sep and name and alias and "/" not in rest:
+        return name, None, alias
+    raise ValueError(f"{uri}: expected models:/NAME/VERSION (a number) or models:/NAME@ALIAS")
+
+
+def _model_version(client: MlflowClient, uri: str, tracking_uri: str):
+    """The registry version a models:/ URI names; ValueError saying what the registry has instead."""
+    name, version, alias = _parse_models_uri(uri)
+    try:
+        registered = client.get_registered_model(name)
+    except mlflow.exceptions.MlflowException:
+        known = [m.name for m in client.search_registered_models(max_results=50)]
+        raise ValueError(f"no registered model {name!r} in {tracking_uri} (it has: {', '.join(known) or 'none'}); "
+                         f"check the name, or point MLFLOW_TRACKING_URI at the registry that holds it") from None
+    try:
+        return client.get_model_version_by_alias(name, alias) if alias else client.get_model_version(name, version)
+    except mlflow.exceptions.MlflowException:
+        versions = sorted(int(v.version) for v in client.search_model_versions(f"name = '{name}'"))
+        raise ValueError(f"{name!r} has no {'alias ' + repr(alias) if alias else 'version ' + version} (versions: "
+                         f"{', '.join(map(str, versions)) or 'none'}; aliases: "
+                         f"{', '.join(registered.aliases) or 'none'})") from None
+
+
+def _export_path(model_dir: Path) -> str:
+    """Where a downloaded MLflow Model keeps its HF export: the pyfunc's artifact `hf` ("" if it has none)."""
+    if not (model_dir / "MLmodel").is_file():
+        return ""
+    pyfunc = mlflow.models.Model.load(str(model_dir / "MLmodel")).flavors.get("python_function", {})
+    return (pyfunc.get("artifacts") or {}).get("hf", {}).get("path", "")
+
+
+def download_registered_model(uri: str, workdir: Path) -> RegisteredExport:
+    """The HF export a registry version holds, downloaded once per version to <workdir>/registry/NAME/VERSION.
+
+    A version logged by `Tracker.log_hf_model` holds it as its pyfunc's artifact `hf`; one registered from a run
+    directory (an RTD pretraining's checkpoint, today) is read from the `hf/` its run logged. ValueError (one message
+    naming the fix) for a malformed URI, an unknown model, version or alias, or a version without an HF export.
+    """
+    tracking_uri = default_tracking_uri(workdir)
+    store = tracking_uri.removeprefix("sqlite:///")
+    if tracking_uri.startswith("sqlite:///") and not Path(store).is_file():  # asked, sqlite would create an empty one
+        raise ValueError(f"there is no registry at {store} (nothing was registered from this workdir); set "
+                         f"MLFLOW_TRACKING_URI to the tracking server or sqlite:///PATH that holds the model")
+    try:
+        return _download_version(uri, workdir, tracking_uri)
+    except mlflow.exceptions.MlflowException as e:  # an unreachable server, a missing artifact
+        raise ValueError(f"reading it from the registry at {tracking_uri} failed: {e.message}") from None
+
+
+def _download_version(uri: str, workdir: Path, tracking_uri: str) -> RegisteredExport:
+    import shutil
+    import tempfile
+
+    client = _client(tracking_uri)
+    mv = _model_version(client, uri, tracking_uri)
+    version_uri = f"{MODELS_URI}{mv.name}/{mv.version}"
+    target = workdir / "registry" / mv.name / str(mv.version)
+    if (target / "config.json").is_file():  # renamed into place whole: present means complete
+        return RegisteredExport(version_uri, target, mv.source)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{mv.version}-") as tmp, _tracking_uri(tracking_uri):
+        hf_dir = None
+        if mv.source.startswith(MODELS_URI):  # a logged model: its pyfunc's artifact `hf`
+            root = Path(mlflow.artifacts.download_artifacts(artifact_uri=version_uri, dst_path=tmp))
+            hf_dir = root / _export_path(root) if _export_path(root) else None
+        elif mv.run_id and "hf" in {f.path for f in client.list_artifacts(mv.run_id)}:  # a run directory
+            hf_dir = Path(mlflow.artifacts.download_artifacts(run_id=mv.run_id, artifact_path="hf", dst_path=tmp))
+        if hf_dir is None or not (hf_dir / "config.json").is_file():
+            raise ValueError(f"{version_uri} (source {mv.source}) holds no HF export: no artifact `hf` in its MLflow "
+                             f"Model and no hf/ in its run; register the model with Tracker.log_hf_model")
+        shutil.move(str(hf_dir), str(target))
+    return RegisteredExport(version_uri, target, mv.source)

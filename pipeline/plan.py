@@ -44,7 +44,7 @@ STAGES: tuple[StageSpec, ...] = (
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
 EXTERNAL_INPUTS = ("raw", "task", "pretrain")
-"""Inputs that are not stage artifacts; "pretrain" only with `--pretrained DIR` (an existing checkpoint)."""
+"""Inputs that are not stage artifacts; "pretrain" only with `finetune.init` set (an existing checkpoint)."""
 FROM_CHECKPOINT_INPUTS = ("pretrain", "task")
 """The finetune stage's inputs when it starts from an external checkpoint: its directory holds the tokenizer."""
 
@@ -83,7 +83,7 @@ def make_plan(cfg: PipelineConfig, store: ArtifactStore, external_ids: dict[str,
         raise ValueError(f"--force {unknown[0]}: unknown stage; stages are {', '.join(STAGE_NAMES)}")
     ids = dict(external_ids)
     plan = []
-    from_checkpoint = "pretrain" in external_ids  # --pretrained DIR: fine-tune that checkpoint, nothing else
+    from_checkpoint = "pretrain" in external_ids  # finetune.init: fine-tune that checkpoint, nothing else
     specs = tuple(s for s in STAGES if s.name == "finetune") if from_checkpoint else stages_until(only or until)
     for spec in specs:
         what = {s: getattr(cfg, s).what() for s in spec.sections}

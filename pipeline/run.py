@@ -39,9 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "or pyarrow.fs URIs; default: the built-in news corpus")
     p.add_argument("--task", metavar="NAME_OR_PATH",
                    help="fine-tuning task: rotten-tomatoes, lee-sts, or a directory of GLUE-format files")
-    p.add_argument("--pretrained", metavar="DIR",
-                   help="fine-tune this HF DeBERTa-v2 checkpoint (config.json, weights, spm.model) instead of "
-                        "pretraining: runs the finetune stage alone, the [model] section read from the checkpoint")
+    p.add_argument("--pretrained", metavar="DIR_OR_URI",
+                   help="short for --set finetune.init=DIR_OR_URI: fine-tune this HF DeBERTa-v2 directory "
+                        "(config.json, weights, spm.model) or registry version (models:/NAME/VERSION, "
+                        "models:/NAME@ALIAS) instead of pretraining; runs the finetune stage alone, the [model] "
+                        "section read from the checkpoint")
     p.add_argument("--workdir", default="workdir", type=Path,
                    help="artifacts, MLflow store and Ray storage live here (default: ./workdir)")
     group = p.add_mutually_exclusive_group()
@@ -62,6 +64,8 @@ def resolve_config(args: argparse.Namespace) -> PipelineConfig:
     overrides = list(args.overrides)
     if args.task:
         overrides.append(f"finetune.task={args.task}")
+    if args.pretrained:
+        overrides.append(f"finetune.init={args.pretrained}")
     try:
         cfg = apply_overrides(cfg, overrides)
         validate(cfg)
@@ -94,17 +98,20 @@ def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path
     """
     from stages import corpus
     from stages.base import StageInputError
-    from stages.finetune.data import resolve_checkpoint
+    from stages.finetune.data import resolve_init
     from stages.finetune.tasks import resolve_task
 
+    init = cfg.finetune.init
+    if init and (args.until or args.corpus or args.only not in (None, "finetune")):
+        raise UserError(f"finetune.init={init} runs the finetune stage alone; drop --only/--until/--corpus")
     try:
-        planned = {"finetune"} if args.pretrained else {s.name for s in stages_until(args.only or args.until)}
+        planned = {"finetune"} if init else {s.name for s in stages_until(args.only or args.until)}
     except ValueError as e:
         raise UserError(str(e)) from None
     objects, ids = {}, {}
     try:
-        if args.pretrained:
-            objects["pretrain"] = resolve_checkpoint(args.pretrained)
+        if init:  # a registry version is downloaded here, on the driver, before Ray starts
+            objects["pretrain"] = resolve_init(init, workdir)
             ids["pretrain"] = objects["pretrain"].id
         if "corpus" in planned:
             if args.corpus:
@@ -144,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def from_checkpoint(args: argparse.Namespace, cfg: PipelineConfig, objects: dict) -> PipelineConfig:
-    """--pretrained DIR: the [model] section is the checkpoint's architecture and [vocab] its tokenizer's size
-    (then validated like any config)."""
+    """finetune.init (--pretrained): the [model] section is the checkpoint's architecture and [vocab] its
+    tokenizer's size (then validated like any config)."""
     from sentencepiece import SentencePieceProcessor
 
     from pipeline.config import ModelConfig
@@ -153,8 +160,6 @@ def from_checkpoint(args: argparse.Namespace, cfg: PipelineConfig, objects: dict
     from stages.base import StageInputError
     from stages.finetune.data import checkpoint_model_section
 
-    if args.only or args.until or args.corpus:
-        raise UserError("--pretrained runs the finetune stage alone; drop --only/--until/--corpus")
     try:
         ckpt = objects["pretrain"]
         pieces = SentencePieceProcessor(model_file=str(Path(ckpt.path) / MODEL_FILE)).vocab_size()
@@ -173,7 +178,7 @@ def _main(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     workdir = check_workdir(args.workdir)
     objects, ext_ids = external_inputs(args, cfg, workdir)
-    if args.pretrained:
+    if cfg.finetune.init:
         cfg = from_checkpoint(args, cfg, objects)
     print(f"resolved config ({cfg.preset}):\n{cfg.to_json()}", flush=True)
     store = ArtifactStore(workdir)

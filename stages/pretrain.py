@@ -237,8 +237,8 @@ def finish(cfg: PretrainConfig, model: ModelConfig, out: Path, ctx: StageContext
 
 def register(cfg: PretrainConfig, out: Path, ctx: StageContext) -> str:
     """Our checkpoint as a run artifact; the registry version `deberta-<preset>-pretrained`, tagged with its
-    lineage and objective. MLM: an MLflow Model (transformers flavor, fill-mask) over hf/; RTD: the discriminator
-    checkpoint (an encoder has no pipeline task to serve), with hf/ and generator/ as artifacts."""
+    lineage and objective: an MLflow Model over hf/ (`pipeline/hf_pyfunc.py`): MLM as fill-mask, the RTD
+    discriminator as feature extraction (its generator/ a run artifact)."""
     from stages import pretrain_objectives as objectives
 
     ctx.tracker.log_artifacts(out / "model", "model")  # ours, EMD table (MLM) / RTD head included
@@ -251,9 +251,10 @@ def register(cfg: PretrainConfig, out: Path, ctx: StageContext) -> str:
         uri = ctx.tracker.log_hf_model(out / "hf", task="fill-mask", name="pretrained", tags=tags,
                                        input_example={"text": ["The president said on [MASK] that he would resign."]})
         return ctx.tracker.register_model(name, model_uri=uri, tags=tags, description=description)
-    ctx.tracker.log_artifacts(out / "hf", "hf")
     ctx.tracker.log_artifacts(out / "generator", "generator")
-    return ctx.tracker.register_model(name, artifact_path="model", tags=tags, description=description)
+    uri = ctx.tracker.log_hf_model(out / "hf", task="feature-extraction", name="pretrained", tags=tags,
+                                   input_example={"text": ["The president said on Monday that he would resign."]})
+    return ctx.tracker.register_model(name, model_uri=uri, tags=tags, description=description)
 
 
 # ----------------------------------------------------------------------------------------------- --dry-run

@@ -1,7 +1,8 @@
 """Finetune stage: a Ray Tune sweep over the paper's Table 9 grid, the champion to the MLflow registry.
 
     tasks.py     built-in and GLUE-format tasks, their metrics
-    data.py      the splits as token arrays; the pretrained checkpoint (ours, or any HF DeBERTa-v2 directory)
+    data.py      the splits as token arrays; the checkpoint (ours, or `finetune.init`: an HF DeBERTa-v2 directory
+                 or a registry version)
     trial.py     one trial: `run_epochs` on a torch or DeepSpeed engine (`cluster.engine`)
     sweep.py     the Tune grid, trials as nested MLflow runs, selection
     registry.py  the champion's model/ and hf/, the sweep plot, the registry entry
@@ -9,7 +10,8 @@
 Outputs: model/ (config.json, model.pt, finetune.json, tokenizer/), hf/ (DebertaV2ForSequenceClassification
 with its tokenizer and label names), results.csv (one row per trial), sweep.png (dev metric against learning
 rate), champion.json. The champion is registered as `deberta-<preset>-<task>` with alias `champion`, an MLflow
-Model over hf/ (`mlflow.pyfunc.load_model("models:/deberta-<preset>-<task>@champion").predict(df)`).
+Model over hf/: `mlflow.pyfunc.load_model("models:/deberta-<preset>-<task>@champion").predict(df)` on a DataFrame
+with `sentence1` (and `sentence2` for pair tasks) gives `label` and `score` (`score` alone for regression).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 from pipeline.config import FinetuneConfig, ModelConfig
 from pipeline.tokenizer import Tokenizer
 from stages.base import StageContext, StageInputError, StageResult, model_config
-from stages.finetune.data import load_pretrained, prepare_data
+from stages.finetune.data import ExternalCheckpoint, load_pretrained, prepare_data
 from stages.finetune.registry import _jsonable, export_hf, plot_sweep, register_champion, save_model
 from stages.finetune.sweep import (GRID_KEYS, _trial_runs_callback, best_checkpoint, grid_size, pick_champion,
                                    results_table, run_sweep)
@@ -55,8 +57,10 @@ def run(cfg: FinetuneConfig, *, model: ModelConfig, inputs: dict[str, Any], out:
     baseline = majority_baseline(task)
     print(f"[finetune] {task.name}: {len(data[0])} train / {len(data[1])} dev examples, {grid_size(cfg)} trials, "
           f"selection on {metric} (majority baseline {baseline:.4f})", flush=True)
+    init = inputs.get("pretrain") if isinstance(inputs.get("pretrain"), ExternalCheckpoint) else None
     ctx.tracker.log_params({"task.name": task.name, "task.id": task.id, "task.kind": task.kind,
-                            "task.train_examples": len(data[0]), "task.dev_examples": len(data[1])})
+                            "task.train_examples": len(data[0]), "task.dev_examples": len(data[1]),
+                            **({"init.source": init.source, "init.digest": init.id} if init else {})})
 
     grid = run_sweep(cfg, setup, data, weights, ctx.storage_path,
                      ctx.run_name, callbacks=[_trial_runs_callback(ctx.tracker, metric)])
@@ -69,7 +73,7 @@ def run(cfg: FinetuneConfig, *, model: ModelConfig, inputs: dict[str, Any], out:
     (out / "champion.json").write_text(json.dumps(_jsonable(champion), indent=2, sort_keys=True) + "\n")
 
     export_hf(out / "model", out / "hf", task, float(champion["dropout"]))
-    version = register_champion(ctx, out, task, champion, metric, baseline)
+    version = register_champion(ctx, out, task, champion, metric, baseline, init)
     name = f"deberta-{ctx.preset}-{task.name}"
     trial_cfg = {k: _jsonable(champion)[k] for k in (*GRID_KEYS, "seed")}
     return StageResult(

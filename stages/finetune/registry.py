@@ -1,5 +1,5 @@
 """The champion's outputs: `model/` (ours) and `hf/` (transformers) in the artifact, the sweep plot, and the
-MLflow registry entry (an MLflow Model over hf/)."""
+MLflow registry entry (an MLflow Model over hf/, with the task's sentence1/sentence2 columns as its inputs)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from stages.finetune.sweep import GRID_KEYS
 from stages.finetune.tasks import TaskRef
 
 if TYPE_CHECKING:
+    from stages.finetune.data import ExternalCheckpoint
     from stages.finetune.trial import TrialSetup
 
 
@@ -84,19 +85,22 @@ def export_hf(model_dir: Path, hf_dir: Path, task: TaskRef, dropout: float) -> N
 
 
 def register_champion(ctx: StageContext, out: Path, task: TaskRef, champion: dict, metric: str,
-                      baseline: float) -> str:
-    """Log model/ on the stage's run, hf/ as an MLflow Model (transformers flavor, text-classification: served by
-    `mlflow models serve`, loaded by `mlflow.pyfunc.load_model`), and register that as deberta-<preset>-<task>
-    @champion; returns the version."""
+                      baseline: float, init: "ExternalCheckpoint | None" = None) -> str:
+    """Log model/ on the stage's run, hf/ as an MLflow Model (pipeline/hf_pyfunc.py: `mlflow.pyfunc.load_model`
+    predicts from `sentence1` (+ `sentence2`), `mlflow models serve` serves it), and register that as
+    deberta-<preset>-<task> @champion; returns the version. init: the external checkpoint it started from, named
+    in the version's tags (`init`, `init_digest`)."""
     ctx.tracker.log_artifacts(out / "model", "model")
     trial_cfg = {k: _jsonable(champion)[k] for k in (*GRID_KEYS, "seed")}
     tags = {"pretrain": ctx.lineage.get("pretrain", ""), "corpus": ctx.lineage.get("corpus", ""),
             "vocab": ctx.lineage.get("vocab", ""), "task": task.id, "task_name": task.name, "sweep": ctx.artifact_id,
             "trial_id": champion["trial_id"], "trial_config": json.dumps(trial_cfg, sort_keys=True),
             metric: f"{champion[metric]:.6f}", "majority_baseline": f"{baseline:.6f}"}
-    example = {"text": list(task.dev.text_a[:2])}
+    if init is not None:
+        tags.update(init=init.source, init_digest=init.id)
+    example = {"sentence1": list(task.dev.text_a[:2])}
     if task.dev.text_b is not None:
-        example["text_pair"] = list(task.dev.text_b[:2])
+        example["sentence2"] = list(task.dev.text_b[:2])
     uri = ctx.tracker.log_hf_model(out / "hf", task="text-classification", input_example=example, name="champion",
                                    tags=tags)
     return ctx.tracker.register_model(f"deberta-{ctx.preset}-{task.name}", model_uri=uri, alias="champion",

@@ -76,6 +76,15 @@ def _trial_runs_callback(parent, metric: str):
     return TrialRuns()
 
 
+def tensorboard_hint(storage_path: str, name: str, metric: str) -> str:
+    """What to type to watch the sweep: Tune writes each trial's results as TensorBoard events (tensorboardX, a Ray
+    Tune dependency) and, when a trial ends, its grid point with its best `metric` for the HPARAMS tab."""
+    return (f"[finetune] Tune experiment {storage_path}/{name}; watch it live on the Ray dashboard (Jobs, Train) or "
+            f"with TensorBoard (pip install -e '.[tensorboard]'):\n"
+            f"  tensorboard --logdir {storage_path}/{name} --host 127.0.0.1   "
+            f"(HPARAMS ranks the finished trials by ray/tune/best_{metric})")
+
+
 def run_sweep(cfg: FinetuneConfig, setup: "TrialSetup", data: tuple[Encoded, Encoded],
               weights: dict[str, "torch.Tensor"], storage_path: str, name: str, callbacks: list | None = None):
     """Run the grid under Tune; returns the ResultGrid (every trial, its history and its best checkpoint)."""
@@ -113,8 +122,7 @@ def run_sweep(cfg: FinetuneConfig, setup: "TrialSetup", data: tuple[Encoded, Enc
                                                     checkpoint_score_order="max"),
             failure_config=tune.FailureConfig(max_failures=0)),
     )
-    print(f"[finetune] Tune experiment {storage_path}/{name} (live: Ray dashboard, or "
-          f"tensorboard --logdir {storage_path}/{name})", flush=True)
+    print(tensorboard_hint(storage_path, name, metric), flush=True)
     grid = tuner.fit()
     errors = [r.error for r in grid if r.error is not None]
     if errors:

@@ -177,6 +177,9 @@ def run_epochs(engine: Engine, data: tuple[Encoded, Encoded], setup: TrialSetup,
                   **{f"dev_{k}": v for k, v in dev_metrics.items()}}
         improved = dev_metrics[setup.metric] > best
         best = max(best, dev_metrics[setup.metric])
+        # the trial's best so far: Tune's TensorBoard logger writes the last result as the trial's hparams metrics,
+        # and selection ranks trials by their best epoch, not their last
+        result[f"best_dev_{setup.metric}"] = best
         report(result, engine if improved else None)
 
 

@@ -206,7 +206,7 @@ def test_pipeline_job_end_to_end(ray_cluster_2_nodes, mlflow_server, small_corpu
 
     mlflow.set_tracking_uri(mlflow_server)
     served = mlflow.pyfunc.load_model("models:/deberta-debug-v3-rotten-tomatoes@champion")
-    labels = served.predict(pd.DataFrame({"text": ["A warm, funny and moving film.", "Dull and far too long."]}))
+    labels = served.predict(pd.DataFrame({"sentence1": ["A warm, funny and moving film.", "Dull and far too long."]}))
     assert set(labels["label"]) <= {"fresh", "rotten"}, labels
     corpus_id = pretrained.tags["corpus"]
     assert corpus_id and champion.tags["corpus"] == corpus_id

@@ -29,6 +29,7 @@ from stages.finetune import trial as ft_trial
 from stages.base import StageContext, StageInputError
 from stages.finetune.tasks import resolve_task
 from pipeline.tokenizer import Tokenizer
+from tests.integration.mlflow_serve import serve_once
 
 SEQ = 64
 
@@ -80,9 +81,36 @@ def _overlapping(trial_dirs: dict[str, Path]) -> bool:
     return any(a0 < b1 and b0 < a1 for i, (a0, a1) in enumerate(spans) for (b0, b1) in spans[i + 1:])
 
 
+def _tensorboard(trial_dir: Path) -> tuple[dict, set[str], dict[str, float]]:
+    """What TensorBoard reads from a trial's event files: the hparams of its session, the metric tags its HPARAMS
+    view offers, and the last value of every scalar. Read with tensorboardX's protos (TFRecord framing: u64
+    length, u32 crc, the Event, u32 crc), tensorboard itself being an optional extra."""
+    import struct
+
+    from tensorboardX.proto import event_pb2, plugin_hparams_pb2
+
+    hparams, metrics, scalars = {}, set(), {}
+    for path in sorted(trial_dir.glob("events.out.tfevents.*")):
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 12 + n + 4
+            for v in event.summary.value:
+                plugin = plugin_hparams_pb2.HParamsPluginData.FromString(v.metadata.plugin_data.content)
+                if v.tag == "_hparams_/experiment":
+                    metrics |= {m.name.tag for m in plugin.experiment.metric_infos}
+                elif v.tag == "_hparams_/session_start_info":
+                    hparams = {k: h.number_value for k, h in plugin.session_start_info.hparams.items()}
+                elif v.HasField("simple_value"):
+                    scalars[v.tag] = v.simple_value
+    return hparams, metrics, scalars
+
+
 @pytest.mark.ray
 @pytest.mark.slow
-def test_sweep_beats_baseline_and_registers_champion(pretrained, ray_local, mlflow_server, tmp_path, monkeypatch):
+def test_sweep_beats_baseline_and_registers_champion(pretrained, ray_local, mlflow_server, tmp_path, monkeypatch,
+                                                    capsys):
     from mlflow.tracking import MlflowClient
 
     from pipeline.lineage import Lineage
@@ -102,6 +130,7 @@ def test_sweep_beats_baseline_and_registers_champion(pretrained, ray_local, mlfl
     started = time.time()
     result = finetune.run(cfg, model=model_cfg, inputs={"pretrain": pre, "vocab": vocab, "task": task}, out=out,
                           ctx=_context(tmp_path, tracker, "sweep-under-test"))
+    printed = capsys.readouterr().out
     print(f"sweep: {time.time() - started:.0f}s, {result.metrics}, {result.summary}")
 
     # the sweep: every grid point ran under Tune, at least two at once, the best beats the majority class
@@ -113,6 +142,16 @@ def test_sweep_beats_baseline_and_registers_champion(pretrained, ray_local, mlfl
     exp_dir = tmp_path / "ray_results" / "finetune-sweep-under-test"
     trial_dirs = {p.name: p for p in exp_dir.iterdir() if (p / "progress.csv").is_file()}
     assert len(trial_dirs) == 4 and _overlapping(trial_dirs)
+    # watched live: the command is printed when the sweep starts, and every trial's event file gives TensorBoard's
+    # HPARAMS view the trial's grid point and its best dev accuracy (the number selection ranks by)
+    assert f"tensorboard --logdir {exp_dir} --host 127.0.0.1" in printed
+    for d in trial_dirs.values():
+        hparams, metrics, scalars = _tensorboard(d)
+        row = table[table["trial_id"] == pd.read_csv(d / "progress.csv")["trial_id"].iloc[0]].iloc[0]
+        assert {k: hparams[k] for k in ("dropout", "lr", "batch_size", "warmup_steps", "seed")} == \
+            pytest.approx({k: float(row[k]) for k in ("dropout", "lr", "batch_size", "warmup_steps", "seed")})
+        assert "ray/tune/best_dev_accuracy" in metrics
+        assert scalars["ray/tune/best_dev_accuracy"] == pytest.approx(row["dev_accuracy"], abs=1e-6)
     baseline = result.metrics["majority_baseline"]
     best = result.metrics["best_dev_accuracy"]
     assert baseline == pytest.approx(0.5834, abs=1e-3) and best > baseline + 0.02, (best, baseline)
@@ -152,10 +191,20 @@ def test_sweep_beats_baseline_and_registers_champion(pretrained, ray_local, mlfl
     import mlflow
 
     mlflow.set_tracking_uri(mlflow_server)
-    served = mlflow.pyfunc.load_model("models:/deberta-debug-rotten-tomatoes@champion")
-    predicted = served.predict(pd.DataFrame({"text": list(task.dev.text_a)}))["label"]
+    champion = "models:/deberta-debug-rotten-tomatoes@champion"
+    loaded = mlflow.pyfunc.load_model(champion)
+    assert loaded.metadata.get_input_schema().input_names() == ["sentence1"]
+    predicted = loaded.predict(pd.DataFrame({"sentence1": list(task.dev.text_a)}))
     gold = [task.labels[int(y)] for y in task.dev.label]
-    assert np.mean([p == g for p, g in zip(predicted, gold)]) == pytest.approx(best, abs=0.005)
+    assert np.mean([p == g for p, g in zip(predicted["label"], gold)]) == pytest.approx(best, abs=0.005)
+    # ... and `mlflow models serve` serves that champion: real dev sentences in, the task's label names out
+    sentences = pd.DataFrame({"sentence1": list(task.dev.text_a[:16])})
+    served = serve_once(champion, mlflow_server, sentences, tmp_path / "serve.log")
+    print(f"mlflow models serve {champion}: /ping after {served.seconds_to_ping:.1f} s, first answer after "
+          f"{served.seconds_to_answer:.1f} s")
+    assert [p["label"] for p in served.predictions] == list(predicted["label"][:16])
+    assert [p["score"] for p in served.predictions] == pytest.approx(list(predicted["score"][:16]), abs=1e-6)
+    assert {p["label"] for p in served.predictions} <= {"rotten", "fresh"}
     children = client.search_runs([tracker.experiment_id], f"tags.mlflow.parentRunId = '{tracker.run_id}'")
     assert len(children) == 4
     for run in children:
@@ -166,8 +215,9 @@ def test_sweep_beats_baseline_and_registers_champion(pretrained, ray_local, mlfl
 
 
 def test_finetunes_any_hf_deberta_directory(pretrained, ray_local, tracker, tmp_path):
-    """`--pretrained DIR`: an HF DeBERTa-v2 directory (here our tiny MLM exported with its tokenizer) is fine-tuned
-    with no pretrain or vocab artifact; the plan runs the finetune stage alone with the checkpoint's architecture."""
+    """`finetune.init=DIR` (`--pretrained DIR`): an HF DeBERTa-v2 directory (here our tiny MLM exported with its
+    tokenizer) is fine-tuned with no pretrain or vocab artifact; the plan runs the finetune stage alone with the
+    checkpoint's architecture, and the champion's registry version names the directory and its digest."""
     import subprocess
     import sys
 
@@ -179,7 +229,7 @@ def test_finetunes_any_hf_deberta_directory(pretrained, ray_local, tracker, tmp_
     mlm = DebertaForMaskedLM(checkpoint.load_config(pre.path / "model"))
     checkpoint.load_into(mlm, pre.path / "model")
     hf_dir = hf.save_pretrained(mlm, tmp_path / "someone-elses-deberta", vocab_dir=vocab.path)
-    plan = subprocess.run([sys.executable, "-m", "pipeline.run", "--pretrained", str(hf_dir), "--workdir",
+    plan = subprocess.run([sys.executable, "-m", "pipeline.run", "--set", f"finetune.init={hf_dir}", "--workdir",
                            str(tmp_path / "wd"), "--dry-run"], capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).resolve().parents[2])
     assert plan.returncode == 0, plan.stderr[-2000:]
@@ -192,10 +242,15 @@ def test_finetunes_any_hf_deberta_directory(pretrained, ray_local, tracker, tmp_
     task = resolve_task(cfg.task)
     out = tmp_path / "out"
     out.mkdir()
-    result = finetune.run(cfg, model=mlm.cfg, inputs={"pretrain": resolve_checkpoint(str(hf_dir)), "task": task},
+    init = resolve_checkpoint(str(hf_dir))
+    result = finetune.run(cfg, model=mlm.cfg, inputs={"pretrain": init, "task": task},
                           out=out, ctx=_context(tmp_path, tracker, "from-hf"))
     assert result.metrics["best_dev_accuracy"] > result.metrics["majority_baseline"] + 0.02, result.metrics
     assert (out / "hf" / "model.safetensors").is_file() and (out / "model" / "tokenizer" / "spm.model").is_file()
+    version = tracker.client.get_model_version_by_alias("deberta-debug-rotten-tomatoes", "champion")
+    assert version.tags["init"] == str(hf_dir) and version.tags["init_digest"] == init.id
+    params = tracker.client.get_run(tracker.run_id).data.params
+    assert params["init.source"] == str(hf_dir) and params["init.digest"] == init.id
 
 
 # ----------------------------------------------------------------------------------------------- SiFT

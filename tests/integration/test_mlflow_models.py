@@ -1,6 +1,7 @@
-"""Registry versions are MLflow Models: tiny exports logged with the `transformers` flavor on a real `mlflow server`,
+"""Registry versions are MLflow Models: tiny exports logged as pipeline/hf_pyfunc.py models on a real `mlflow server`,
 registered with an alias, loaded back by `mlflow.pyfunc.load_model("models:/<name>@<alias>")`, served once by
-`mlflow models serve --env-manager local`. Run inside the loopback-only namespace: nothing can reach a hub.
+`mlflow models serve --env-manager local`, and fine-tuned from (`finetune.init=models:/...`, up to the plan). Run
+inside the loopback-only namespace: nothing can reach a hub.
 
 The vocabulary is real (the vocab stage's trainer on real news text); the model weights are random (a trained model
 is not needed to check that what the registry serves is exactly what we exported).
@@ -8,26 +9,27 @@ is not needed to check that what the registry serves is exactly what we exported
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import socket
+import re
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
 
 from deberta import hf
 from deberta.config import debug
-from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification
+from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification, DebertaModel
 from pipeline.config import VocabConfig
 from pipeline.lineage import EXPERIMENT_KIND, TAG_EXPERIMENT_KIND, Lineage
 from pipeline.tokenizer import MODEL_FILE, SPECIAL_FILE, Tokenizer
 from stages.vocab import train_model
+from tests.integration.mlflow_serve import serve_once
 
 pytest.importorskip("transformers")
 mlflow = pytest.importorskip("mlflow")
@@ -36,8 +38,9 @@ ROWS = 1_100  # 1,000 pieces + [MASK], padded as padded_vocab_size does
 LABELS = ("rotten", "fresh")
 REVIEWS = ["A warm, funny and beautifully acted film.", "Dull, overlong and badly written.",
            "The plot makes no sense, but the music is wonderful.", "I left halfway through."]
-PAIRS = pd.DataFrame({"text": ["A man is playing a guitar.", "Stocks fell sharply on Monday."],
-                      "text_pair": ["Someone plays music.", "Markets rose in early trading."]})
+PAIRS = pd.DataFrame({"sentence1": ["A man is playing a guitar.", "Stocks fell sharply on Monday."],
+                      "sentence2": ["Someone plays music.", "Markets rose in early trading."]})
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -66,45 +69,11 @@ def _ours(model, tok, texts, pairs=None) -> torch.Tensor:
         return model(enc["input_ids"], enc["attention_mask"])["logits"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve(model_uri: str, tracking_uri: str, frame: pd.DataFrame, log: Path) -> list[dict]:
-    """`mlflow models serve` in a child process; one POST /invocations; the server is stopped after."""
-    port = _free_port()
-    # the server runs `uvicorn` by name: the venv's bin directory must be on PATH
-    env = dict(os.environ, MLFLOW_TRACKING_URI=tracking_uri,
-               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    cmd = [sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri, "--env-manager", "local",
-           "--host", "127.0.0.1", "--port", str(port)]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, f"mlflow models serve exited: {log.read_text()[-3000:]}"
-            assert time.time() < deadline, f"mlflow models serve did not answer /ping: {log.read_text()[-3000:]}"
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2)
-                break
-            except OSError:
-                time.sleep(0.5)
-        body = json.dumps({"dataframe_split": frame.to_dict(orient="split")}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body,
-                                         headers={"Content-Type": "application/json"})
-        return json.loads(urllib.request.urlopen(request, timeout=60).read())["predictions"]
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def registered(mlflow_server, vocab_dir, tmp_path_factory):
-    """Three exports (a 2-label classifier, a pair regression, the MLM) logged on a stage run and registered
-    @champion; yields (tracker, exported models by key, HF directories by key, logged-model URIs by key)."""
+    """Four exports (a 2-label classifier, a pair regression, the MLM, a bare encoder as an RTD discriminator is)
+    logged on a stage run and registered @champion; yields (tracker, exported models by key, HF directories by
+    key, logged-model URIs by key)."""
     root = tmp_path_factory.mktemp("registered")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLFLOW_TRACKING_URI", mlflow_server)
@@ -112,17 +81,19 @@ def registered(mlflow_server, vocab_dir, tmp_path_factory):
         cfg = debug(vocab_size=ROWS)
         models = {"clf": _random(DebertaForSequenceClassification(cfg, num_labels=2, classifier_dropout=0.1)),
                   "sts": _random(DebertaForSequenceClassification(cfg, num_labels=1, classifier_dropout=0.0)),
-                  "mlm": _random(DebertaForMaskedLM(cfg))}
+                  "mlm": _random(DebertaForMaskedLM(cfg)), "enc": _random(DebertaModel(cfg))}
         dirs = {"clf": hf.save_pretrained(models["clf"], root / "clf", vocab_dir=vocab_dir, labels=LABELS,
                                           model_max_length=64),
                 "sts": hf.save_pretrained(models["sts"], root / "sts", vocab_dir=vocab_dir, model_max_length=64),
-                "mlm": hf.save_pretrained(models["mlm"], root / "mlm", vocab_dir=vocab_dir)}
+                "mlm": hf.save_pretrained(models["mlm"], root / "mlm", vocab_dir=vocab_dir),
+                "enc": hf.save_pretrained(models["enc"], root / "enc", vocab_dir=vocab_dir)}
         uris = {
             "clf": tracker.log_hf_model(dirs["clf"], task="text-classification",
-                                        input_example=pd.DataFrame({"text": REVIEWS[:2]}), tags={"task": "rt"}),
+                                        input_example=pd.DataFrame({"sentence1": REVIEWS[:2]}), tags={"task": "rt"}),
             "sts": tracker.log_hf_model(dirs["sts"], task="text-classification", input_example=PAIRS),
             "mlm": tracker.log_hf_model(dirs["mlm"], task="fill-mask",
                                         input_example={"text": ["The president of the United [MASK] said."]}),
+            "enc": tracker.log_hf_model(dirs["enc"], task="feature-extraction", input_example={"text": REVIEWS[:1]}),
         }
         for key, uri in uris.items():
             assert tracker.register_model(f"deberta-debug-{key}", model_uri=uri, alias="champion",
@@ -147,8 +118,8 @@ def test_registry_holds_logged_models_of_the_run(mlflow_server, registered):
         tracker.log_hf_model(dirs["clf"], task="ner", input_example={"text": ["x"]})
     with pytest.raises(FileNotFoundError, match="lacks config.json or tokenizer.json"):
         tracker.log_hf_model(dirs["clf"].parent, task="fill-mask", input_example={"text": ["x"]})
-    with pytest.raises(ValueError, match="give `text`"):
-        tracker.log_hf_model(dirs["clf"], task="text-classification", input_example={"sentence": ["x"]})
+    with pytest.raises(ValueError, match=re.escape("takes ['sentence1'] or ['sentence1', 'sentence2']")):
+        tracker.log_hf_model(dirs["clf"], task="text-classification", input_example={"text": ["x"]})
     with pytest.raises(ValueError, match="exactly one of model_uri"):
         tracker.register_model("deberta-debug-clf", "model", model_uri=uris["clf"])
 
@@ -158,26 +129,87 @@ def test_pyfunc_predicts_what_we_exported(mlflow_server, registered, vocab_dir, 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     tok = hf.build_tokenizer(vocab_dir, model_max_length=64)
     loaded = mlflow.pyfunc.load_model("models:/deberta-debug-clf@champion")
-    assert loaded.metadata.get_input_schema().input_names() == ["text"]
-    got = loaded.predict(pd.DataFrame({"text": REVIEWS}))
+    assert loaded.metadata.get_input_schema().input_names() == ["sentence1"]
+    got = loaded.predict(pd.DataFrame({"sentence1": REVIEWS}))
     probs = _ours(models["clf"], tok, REVIEWS).softmax(-1)
     assert list(got["label"]) == [LABELS[i] for i in probs.argmax(-1)]
     assert got["score"].tolist() == pytest.approx(probs.max(-1).values.tolist(), abs=1e-5)
+    with pytest.raises(mlflow.exceptions.MlflowException, match="missing inputs.*sentence1"):
+        loaded.predict(pd.DataFrame({"text": REVIEWS}))  # the signature names the columns
 
-    got = mlflow.pyfunc.load_model("models:/deberta-debug-sts@champion").predict(PAIRS)
-    want = _ours(models["sts"], tok, PAIRS.text, PAIRS.text_pair).view(-1)
-    assert got["score"].tolist() == pytest.approx(want.tolist(), abs=1e-5)  # regression: raw, no sigmoid
+    sts = mlflow.pyfunc.load_model("models:/deberta-debug-sts@champion")
+    assert sts.metadata.get_input_schema().input_names() == ["sentence1", "sentence2"]
+    got = sts.predict(PAIRS)
+    want = _ours(models["sts"], tok, PAIRS.sentence1, PAIRS.sentence2).view(-1)
+    assert list(got.columns) == ["score"] and got["score"].dtype == "float64"  # regression: floats, no label
+    assert got["score"].tolist() == pytest.approx(want.tolist(), abs=1e-5)  # raw, no sigmoid
 
     masked = ["The president of the United [MASK] said.", "It rained on [MASK]."]
     filled = mlflow.pyfunc.load_model("models:/deberta-debug-mlm@champion").predict(pd.DataFrame({"text": masked}))
-    assert list(filled) == _fill_mask(dirs["mlm"], masked)  # the registry's model is the export, token for token
+    assert list(filled["token"]) == _fill_mask(dirs["mlm"], masked)  # the registry's model is the export
+
+    embedded = mlflow.pyfunc.load_model("models:/deberta-debug-enc@champion").predict(pd.DataFrame({"text": REVIEWS}))
+    enc = tok(REVIEWS, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        cls = models["enc"](enc["input_ids"], enc["attention_mask"])["last_hidden_state"][:, 0]  # (B, H)
+    assert np.asarray(embedded["embedding"].tolist()) == pytest.approx(cls.numpy(), abs=1e-5)
 
 
 def test_mlflow_models_serve_answers_pairs(mlflow_server, registered, vocab_dir, tmp_path):
     _, models, _, _ = registered
-    served = _serve("models:/deberta-debug-sts@champion", mlflow_server, PAIRS, tmp_path / "serve.log")
-    want = _ours(models["sts"], hf.build_tokenizer(vocab_dir, 64), PAIRS.text, PAIRS.text_pair).view(-1)
-    assert [p["score"] for p in served] == pytest.approx(want.tolist(), abs=1e-5)
+    served = serve_once("models:/deberta-debug-sts@champion", mlflow_server, PAIRS, tmp_path / "serve.log")
+    print(f"mlflow models serve: /ping after {served.seconds_to_ping:.1f} s, first answer after "
+          f"{served.seconds_to_answer:.1f} s")
+    want = _ours(models["sts"], hf.build_tokenizer(vocab_dir, 64), PAIRS.sentence1, PAIRS.sentence2).view(-1)
+    assert [p["score"] for p in served.predictions] == pytest.approx(want.tolist(), abs=1e-5)
+
+
+def _init(args: list[str], tracking_uri: str, workdir: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, MLFLOW_TRACKING_URI=tracking_uri)
+    return subprocess.run([sys.executable, "-m", "pipeline.run", "--workdir", str(workdir), *args, "--dry-run"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_finetune_init_from_a_registry_version(mlflow_server, registered, tmp_path):
+    """finetune.init=models:/NAME@ALIAS downloads the version's export into the workdir (byte for byte what was
+    logged) and plans the finetune stage alone on its architecture."""
+    _, models, dirs, _ = registered
+    res = _init(["--set", "finetune.init=models:/deberta-debug-mlm@champion"], mlflow_server, tmp_path / "wd")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rows = re.findall(r"^  (\w+)\s+[0-9a-f]{16}  (.+)$", res.stdout, re.M)
+    assert [stage for stage, _ in rows] == ["finetune"], res.stdout[-2000:]
+    assert f'"num_hidden_layers": {models["mlm"].cfg.num_hidden_layers}' in res.stdout
+    local = tmp_path / "wd" / "registry" / "deberta-debug-mlm" / "1"
+    digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in dirs["mlm"].iterdir()}
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in local.iterdir()} == digest
+    assert "models:/deberta-debug-mlm/1" in res.stdout  # the alias, resolved to the version lineage records
+    # ... which the stage's run logs as its input dataset, a registry source (MLflow resolves none for models:/)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+        lineage = Lineage(tmp_path / "wd")
+        lineage.start("init", {"preset": "debug"}, ["finetune"])
+        source = ("d1", "d1", "models:/deberta-debug-mlm/1")
+        run = lineage.stage_run("finetune", "from-registry", {}, {"pretrain": source}, cached=False)
+    (logged,) = mlflow.MlflowClient(mlflow_server).get_run(run.run_id).inputs.dataset_inputs
+    assert (logged.dataset.source_type, json.loads(logged.dataset.source)) == \
+        ("mlflow_registry", {"uri": "models:/deberta-debug-mlm/1"})
+
+
+def test_unknown_registry_version_is_one_message(mlflow_server, registered, tmp_path, monkeypatch, capsys):
+    """An unknown version, alias or model, or a malformed URI: one `error:` line, exit 2, nothing downloaded (the
+    entry point called in this process; the test above runs it as a command)."""
+    from pipeline.run import main
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    for uri, fragment in [("models:/deberta-debug-mlm/9", "'deberta-debug-mlm' has no version 9 (versions: 1"),
+                          ("models:/deberta-debug-mlm@best", "has no alias 'best' (versions: 1; aliases: champion)"),
+                          ("models:/deberta-debug-nope/1", "no registered model 'deberta-debug-nope'"),
+                          ("models:/deberta-debug-mlm", "expected models:/NAME/VERSION (a number) or models:/NAME@")]:
+        assert main(["--pretrained", uri, "--workdir", str(tmp_path / "wd"), "--dry-run"]) == 2
+        err = capsys.readouterr().err
+        lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith(f"error: finetune.init={uri}: ") and fragment in lines[0], err
+    assert not (tmp_path / "wd" / "registry").exists()
 
 
 def _fill_mask(path: Path, texts: list[str]) -> list[str]:

@@ -167,3 +167,66 @@ def test_a_trial_larger_than_the_cluster_is_refused_before_any_stage(small_corpu
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     assert "error: one finetune trial needs 8 Ray CPUs" in res.stderr and "workers_per_trial" in res.stderr
     assert not (tmp_path / "wd" / "artifacts").exists() or not any((tmp_path / "wd" / "artifacts").iterdir())
+
+
+# ----------------------------------------------------------------------------------------------- finetune.init
+
+@pytest.fixture(scope="module")
+def hf_deberta(small_corpus, tmp_path_factory) -> Path:
+    """A whole HF DebertaV2 directory as someone else's checkpoint: a debug-size MLM (random weights) with a real
+    600-piece vocabulary trained on the small corpus."""
+    from deberta import hf
+    from deberta.config import debug, padded_vocab_size
+    from deberta.model import DebertaForMaskedLM
+    from pipeline.config import VocabConfig
+    from pipeline.tokenizer import MODEL_FILE, SPECIAL_FILE, Tokenizer
+    from stages.vocab import train_model
+
+    root = tmp_path_factory.mktemp("hf")
+    docs = [json.loads(line)["text"] for line in small_corpus.read_text().splitlines()]
+    (root / "sample.txt").write_text("\n".join(p.strip() for d in docs for p in d.splitlines() if p.strip()) + "\n")
+    (root / "vocab").mkdir()
+    train_model(VocabConfig(vocab_size=600), root / "sample.txt", root / "vocab", num_threads=1)
+    tok = Tokenizer.load(root / "vocab" / MODEL_FILE)
+    (root / "vocab" / SPECIAL_FILE).write_text(json.dumps(tok.special_ids))
+    mlm = DebertaForMaskedLM(debug(vocab_size=padded_vocab_size(len(tok)))).eval()
+    return hf.save_pretrained(mlm, root / "deberta", vocab_dir=root / "vocab")
+
+
+def _not_deberta(hf_deberta: Path, tmp: Path) -> str:
+    (tmp / "bert").mkdir()
+    (tmp / "bert" / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 30522}))
+    return str(tmp / "bert")
+
+
+def _tokenizer_too_long(hf_deberta: Path, tmp: Path) -> str:
+    import shutil
+
+    shutil.copytree(hf_deberta, tmp / "mismatch")
+    config = json.loads((tmp / "mismatch" / "config.json").read_text())
+    (tmp / "mismatch" / "config.json").write_text(json.dumps({**config, "vocab_size": 300}))
+    return str(tmp / "mismatch")
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (_not_deberta, "not a DeBERTa-v2/v3 model (config.json says model_type='bert')"),
+    (_tokenizer_too_long, "the tokenizer has 601 ids but config.vocab_size=300"),
+    (lambda _, tmp: "models:/deberta-debug-pretrained/1", "there is no registry at"),
+], ids=["not-deberta", "tokenizer-vs-vocab", "unknown-uri"])
+def test_bad_finetune_init_is_one_message_before_ray(make, fragment, hf_deberta, tmp_path):
+    """A real run (not --dry-run) stops at resolving finetune.init: exit 2, one line, no plan, nothing built."""
+    init = make(hf_deberta, tmp_path)
+    res = pipeline(["--set", f"finetune.init={init}", "--workdir", str(tmp_path / "wd")],
+                   {"MLFLOW_TRACKING_URI": ""}, timeout=300)
+    lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
+    assert res.returncode == 2 and len(lines) == 1, res.stdout[-2000:] + res.stderr[-2000:]
+    assert lines[0].startswith(f"error: finetune.init={init}: ") and fragment in lines[0], lines
+    assert "plan:" not in res.stdout and not (tmp_path / "wd" / "artifacts").exists()
+
+
+def test_pretrained_is_short_for_finetune_init(hf_deberta, tmp_path):
+    """`--pretrained DIR` and `--set finetune.init=DIR` plan the same finetune artifact (init is a *how* field: the
+    checkpoint's digest is the input), and the directory is fine as a plan on its own."""
+    plans = [plan_of([*flag, "--workdir", str(tmp_path / "wd")])
+             for flag in (["--pretrained", str(hf_deberta)], ["--set", f"finetune.init={hf_deberta}"])]
+    assert plans[0] == plans[1] and list(plans[0]) == ["finetune"] and plans[0]["finetune"][1] == "run"

@@ -375,7 +375,7 @@ def test_zero2_two_nodes_mlflow_registry(ray_cluster_2_nodes, tokens, model_cfg,
     assert mv.run_id == tracker.run_id
     files = {f.path for f in tracker.client.list_artifacts(tracker.run_id, "model")}
     assert files == {"model/config.json", "model/model.pt"}
-    assert mv.source.startswith("models:/")  # an MLflow Model (transformers flavor) over hf/
+    assert mv.source.startswith("models:/")  # an MLflow Model (pipeline/hf_pyfunc.py) over hf/
     print(f"\nZeRO-2, 2 nodes: {BASE.max_steps} steps in {time.time() - started:.0f}s, "
           f"median {metrics['tokens_per_s']:,.0f} tokens/s, val loss {metrics['initial_val_loss']:.2f} -> "
           f"{metrics['val_loss']:.2f}")
@@ -479,6 +479,7 @@ def test_rtd_two_nodes_resumes_after_worker_loss(ray_cluster_2_nodes, tokens, mo
     name = "deberta-debug-pretrained"
     mv = tracker.client.get_model_version(name, result.summary[f"registered {name}"].split()[-1])
     assert (mv.tags["objective"], mv.tags["embedding_sharing"], mv.tags["pretrain"]) == ("rtd", "gdes", "rtd")
+    assert mv.source.startswith("models:/")  # the discriminator as an MLflow Model (feature extraction)
 
 
 def test_albert_options_train_and_fine_tune(ray_cluster_2_nodes, tokens, model_cfg, workdir, lineage, tmp_path):

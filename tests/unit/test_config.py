@@ -106,6 +106,19 @@ def test_finetune_trainer_errors_name_the_key_and_fix(items, fragment):
         validate(apply_overrides(PRESETS["debug"](), items))
 
 
+def test_finetune_init_is_a_how_field_and_pretrained_its_short_form():
+    """The checkpoint's own digest is the finetune stage's input, so where it lies (or which URI named it) must not
+    change the artifact id; `--pretrained X` sets the same field."""
+    from pipeline.run import build_parser, resolve_config
+
+    base = PRESETS["debug"]().finetune
+    moved = apply_overrides(PRESETS["debug"](), ["finetune.init=models:/deberta-debug-pretrained@champion"]).finetune
+    assert base.init == "" and moved.init == "models:/deberta-debug-pretrained@champion"
+    assert "init" not in base.what() and moved.what() == base.what()
+    args = build_parser().parse_args(["--pretrained", "/ckpt/deberta-v3-small"])
+    assert resolve_config(args).finetune.init == "/ckpt/deberta-v3-small"
+
+
 def test_finetune_gpus_per_trial_checked_against_the_cluster():
     with pytest.raises(ConfigError, match="needs 8 GPU\\(s\\) per trial but the Ray cluster has 4"):
         check_cluster(PRESETS["deberta-1.5b"](), ["finetune"], cpus=64, gpus=4)

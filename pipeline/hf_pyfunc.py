@@ -1,0 +1,95 @@
+"""The MLflow Model of every registry version: a pyfunc over a whole `deberta.hf` export ("models from code").
+
+MLflow runs this file, the pipeline never imports it: `Tracker.log_hf_model` (pipeline/lineage.py) logs it with the
+export as the model's artifact `hf` (kept as written: config.json, model.safetensors, tokenizer.json, spm.model),
+and `mlflow.pyfunc.load_model` / `mlflow models serve` execute it next to that directory. It needs mlflow, pandas,
+torch and transformers, nothing of this repository.
+
+Why a pyfunc of ours rather than MLflow's `transformers` flavor: the flavor's classifier reads only `text` /
+`text_pair` columns, and the tasks name theirs `sentence1` / `sentence2` (GLUE's files, our task directories); a
+regression head comes back through the flavor as a label "LABEL_0" with a score; and the flavor re-saves the
+tokenizer without the SentencePiece model, so its copy could not be fine-tuned from (`finetune.init=models:/...`
+reads `hf/` of the version). Here the registry holds the export byte for byte.
+
+Tasks (artifact `interface`: {"task", "inputs"}) and their DataFrame interface:
+    text-classification  sentence1 (+ sentence2 for pair tasks) -> label (the task's label name), score (its
+                         probability); a regression head (problem_type "regression") -> score (float) only
+    fill-mask            text with [MASK] -> token (best piece at the first [MASK]), score, sequence
+    feature-extraction   text -> embedding (the last layer's [CLS] vector, a list of floats)
+"""
+
+from __future__ import annotations
+
+import mlflow.models
+import mlflow.pyfunc
+import pandas as pd
+
+ARTIFACT = "hf"
+BATCH = 32  # rows per forward pass: bounds the activation memory of a long DataFrame
+
+
+class HFExport(mlflow.pyfunc.PythonModel):
+    """Predicts with the HF export (artifact `hf`); the task and input columns come from artifact `interface`."""
+
+    def load_context(self, context) -> None:
+        import json
+
+        import torch
+        import transformers
+
+        with open(context.artifacts["interface"]) as f:
+            interface = json.load(f)
+        self.task, self.columns = interface["task"], list(interface["inputs"])
+        path = context.artifacts[ARTIFACT]
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        auto = {"text-classification": transformers.AutoModelForSequenceClassification,
+                "fill-mask": transformers.AutoModelForMaskedLM,
+                "feature-extraction": transformers.AutoModel}[self.task]
+        self.model = auto.from_pretrained(path).eval()
+        if self.task == "fill-mask":
+            self.fill = transformers.pipeline("fill-mask", model=self.model, tokenizer=self.tokenizer)
+        self.torch = torch
+
+    def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
+        frame = pd.DataFrame(model_input)
+        missing = [c for c in self.columns if c not in frame.columns]
+        if missing:
+            raise ValueError(f"input has columns {list(frame.columns)}; this model reads {self.columns} "
+                             f"(missing {missing})")
+        texts = [[str(v) for v in frame[c]] for c in self.columns]
+        if self.task == "fill-mask":
+            return self._fill_mask(texts[0])
+        rows = []
+        for start in range(0, len(frame), BATCH):
+            enc = self.tokenizer(*[t[start:start + BATCH] for t in texts], truncation=True, padding=True,
+                                 return_tensors="pt")
+            with self.torch.inference_mode():
+                out = self.model(**enc)
+            if self.task == "text-classification":
+                rows += self._classify(out.logits)
+            else:
+                rows += [{"embedding": v.tolist()} for v in out.last_hidden_state[:, 0]]  # (B, H): [CLS]
+        return pd.DataFrame(rows)
+
+    def _classify(self, logits) -> list[dict]:
+        cfg = self.model.config
+        if cfg.problem_type == "regression" or cfg.num_labels == 1:  # the raw score, no sigmoid
+            return [{"score": float(v)} for v in logits[:, 0]]
+        probs = logits.float().softmax(-1)  # (B, num_labels)
+        best = probs.max(-1)
+        return [{"label": cfg.id2label[int(i)], "score": float(p)} for p, i in zip(best.values, best.indices)]
+
+    def _fill_mask(self, texts: list[str]) -> pd.DataFrame:
+        answers = self.fill(texts, top_k=1, batch_size=BATCH)
+        if len(texts) == 1:  # one text: the pipeline answers with that text's list, not a list of them
+            answers = [answers]
+        rows = []
+        for found in answers:
+            best = found[0]
+            if isinstance(best, list):  # several [MASK]: one list per mask, the first one answers
+                best = best[0]
+            rows.append({"token": best["token_str"], "score": float(best["score"]), "sequence": best["sequence"]})
+        return pd.DataFrame(rows, columns=["token", "score", "sequence"])
+
+
+mlflow.models.set_model(HFExport())
