@@ -116,7 +116,12 @@ def test_zero3_rank_builds_a_300m_model_without_holding_it_whole_then_trains_and
 
     from tests.conftest import run_gloo_ranks
 
-    run_gloo_ranks(WORKER, tmp_path, {"TEST_DIR": str(Path(__file__).parent), "OUT": str(tmp_path)}, timeout=600)
+    # glibc's allocator pinned (every block >= 64 KiB its own mapping, returned when freed): RSS then follows what
+    # is live, so the bound measures what ZeRO-3 construction holds, not whether freed heap pages were handed back
+    # in time (the engine's `_heap_trimmer` does that in production; one full-suite run here, the machine shared,
+    # measured 0.94x without the pin, against 0.60-0.63x otherwise).
+    env = {"TEST_DIR": str(Path(__file__).parent), "OUT": str(tmp_path), "MALLOC_MMAP_THRESHOLD_": "65536"}
+    run_gloo_ranks(WORKER, tmp_path, env, timeout=600)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     params = reports[0]["params"]
     fp32 = 4 * params
