@@ -1,20 +1,26 @@
 """ALBERT's parameter reductions (seed 004) against the plain model at equal steps: factorised embedding (E),
 all-shared layers, both, each with and without sentence-order prediction (SOP).
 
-    .venv/bin/python -m bench.albert                                       # defaults: ~6 min on 2 cores
+    .venv/bin/python -m bench.albert                                       # defaults: ~35 min on 2 cores
     .venv/bin/python -m bench.albert --steps 100 --ft-examples 300 --seeds 0   # a quick look
+    .venv/bin/python -m bench.albert --variants 'plain + SOP' --eval-every 250 --seeds 0   # one SOP curve
 
-Data: one segment-pair `tokenize` artifact (`[CLS] A [SEP] B [SEP]`, B before A half of the time, `sop_label`)
-of the debug preset on the built-in news corpus under `--workdir`, made with
-`pipeline.run --until tokenize --set tokenize.segment_pairs=true` when missing (starts Ray: run the bench inside
-`unshare --net sh -c 'ip link set lo up && ...'` the first time). Every run - with or without SOP - reads the same
-seeded stream of these rows; the -SOP runs ignore `sop_label`, so the data is equal and only the loss differs.
+Data: one segment-pair `tokenize` artifact (`[CLS] A [SEP] B [SEP]` of whole sentences, B before A half of the
+time, `sop_label`; a row of one sentence is no pair, `stages.segment_pairs`) of the debug preset on the built-in
+news corpus under `--workdir`, made with `pipeline.run --until tokenize --set tokenize.segment_pairs=true` when
+missing (starts Ray: run the bench inside `unshare --net sh -c 'ip link set lo up && ...'` the first time).
+Every run - with or without SOP - reads the same seeded stream of these rows; the -SOP runs ignore `sop_label`,
+so the data is equal and only the loss differs.
+The defaults train 3,000 steps at lr 2e-3 (the pretraining tests' rate; the debug preset's 5e-4 x 800 steps leaves
+the MLM near its unigram loss): sentence order leaves chance only after ~1,500 steps at this size.
 
 Pretraining: the pipeline's MLM (`stages.pretrain_objectives.build_model/make_masker/eval_sums/eval_metrics`) on a
 plain torch engine of `cluster.engine`, batches fed as the pretraining loop feeds them (`stages.pretrain_loop.
 to_batch/forward`, `sop_labels` with SOP); `--steps` steps for every variant. The debug model (H = 64) would be
 widened by ALBERT's E = 128, so the debug runs use `--debug-embedding` (E = 32 by default, H/2, as E = 128 is
-H/12 at 1.5B). Validation: MLM loss on fixed batches with fixed masks (the SOP term is reported apart).
+H/12 at 1.5B). Validation: a seeded sample of the validation split (`--eval-batches` x `--batch` rows), MLM loss
+with fixed masks, the SOP term apart; SOP accuracy also on the pairs that open a document (in order, [CLS] is
+followed by the document's first words: a cue of position, not of order) and on the rest.
 
 Paper-size numbers (no training): parameters of each variant on the 1.5B shape (`pipeline.presets.MODEL_1_5B`,
 vocab 128,100) with E = 128, built on the meta device, and DeepSpeed's model-state memory per GPU for ZeRO-2 and
@@ -48,6 +54,7 @@ if str(REPO) not in sys.path:
 from bench.objectives import (EVAL_MASK_OFFSET, _floats, _init_worker, _ints, backbone_weights,  # noqa: E402
                               find_artifacts, finetune_job, finetune_setup, load_sequences, model_config,
                               summarise_finetune)
+from stages.segment_pairs import NO_PAIR  # noqa: E402
 
 SHAPES = (("plain", False, "none"), ("E", True, "none"), ("all-shared", False, "all"),
           ("E + all-shared", True, "all"))
@@ -60,12 +67,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.albert", description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", type=Path, default=Path("/tmp/albertbench/wd"),
                    help="pipeline workdir with a segment-pair tokenize artifact (made there when missing)")
-    p.add_argument("--steps", type=int, default=400, help="pretraining steps, every variant")
+    p.add_argument("--steps", type=int, default=3000, help="pretraining steps, every variant")
     p.add_argument("--batch", type=int, default=16, help="sequences per pretraining step")
-    p.add_argument("--lr", type=float, default=5e-4, help="peak pretraining lr (the debug preset's)")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak pretraining lr (the pretraining tests')")
     p.add_argument("--warmup", type=int, default=50, help="pretraining warmup steps, then linear decay to 0")
     p.add_argument("--debug-embedding", type=int, default=32, help="E of the debug runs (H = 64)")
-    p.add_argument("--eval-batches", type=int, default=32, help="validation batches of --batch sequences")
+    p.add_argument("--eval-batches", type=int, default=64, help="validation batches of --batch sequences")
     p.add_argument("--ft-lr", type=_floats, default=(1e-3,))
     p.add_argument("--ft-dropout", type=_floats, default=(0.1,))
     p.add_argument("--ft-warmup", type=_ints, default=(50,))
@@ -75,6 +82,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ft-seq-len", type=int, default=64)
     p.add_argument("--seeds", type=_ints, default=(0, 1, 2), help="fine-tuning seeds")
     p.add_argument("--seed", type=int, default=0, help="pretraining seed (init, data order, masks)")
+    p.add_argument("--variants", type=_variant_names, default=tuple(r["name"] for r in variants()),
+                   help="comma list of the runs to make (default: all 8), e.g. 'E + all-shared + SOP'")
+    p.add_argument("--eval-every", type=int, default=500,
+                   help="also validate every N pretraining steps (a learning curve in the JSON); 0 = at the end only")
     p.add_argument("--procs", type=int, default=2, help="worker processes")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker process")
     p.add_argument("--json", type=Path, help="also write the JSON report here")
@@ -83,6 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "debug_embedding"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+    if args.eval_every < 0:
+        p.error(f"--eval-every={args.eval_every}: must be >= 0")
     return args
 
 
@@ -90,6 +103,16 @@ def variants() -> list[dict[str, Any]]:
     """The 8 runs: every shape, without and with SOP."""
     return [{"name": name + (" + SOP" if sop else ""), "shape": name, "factorised": fact, "share_layers": share,
              "sop": sop} for sop in (False, True) for name, fact, share in SHAPES]
+
+
+def _variant_names(text: str) -> tuple[str, ...]:
+    known = [r["name"] for r in variants()]
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown variant {bad[0] if bad else '(none given)'!r}; use a comma list "
+                                         f"of: {', '.join(known)}")
+    return names
 
 
 def variant_model(base, run: dict[str, Any], embedding_size: int):
@@ -141,6 +164,22 @@ def load_split(tok_dir: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
     return load_sequences(tok_dir, split), np.asarray(labels)
 
 
+def validation_sample(tok_dir: Path, rows: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A seeded sample of `rows` validation sequences, in split order (the pretraining loop's way: the split holds
+    documents in corpus order), their SOP labels, and whether each opens its document - the first row of its
+    `doc_id` in the split's corpus order (None for artifacts without `doc_id`)."""
+    import pyarrow.parquet as pq
+
+    ids, labels = load_split(tok_dir, "validation")
+    picked = np.sort(np.random.default_rng(seed).choice(len(ids), size=min(rows, len(ids)), replace=False))
+    names = pq.read_schema(next((tok_dir / "validation").glob("*.parquet"))).names
+    if "doc_id" not in names:
+        return ids[picked], labels[picked], None
+    docs = np.asarray(pq.read_table(tok_dir / "validation", columns=["doc_id"]).column("doc_id").to_pylist())
+    opens = np.concatenate([[True], docs[1:] != docs[:-1]])  # (N,)
+    return ids[picked], labels[picked], opens[picked]
+
+
 def batch_of(ids: np.ndarray, labels: np.ndarray, sop: bool) -> dict:
     """The pretraining loop's batch (`to_batch`): with `sop_labels` only for SOP runs."""
     from stages.pretrain_loop import to_batch
@@ -151,27 +190,41 @@ def batch_of(ids: np.ndarray, labels: np.ndarray, sop: bool) -> dict:
 
 # ---------------------------------------------------------------------------------------------- workers
 
-def _validation(engine, masker, val, cfg, batches: int, batch: int) -> dict[str, float]:
+def _validation(engine, masker, val, cfg, batch: int) -> dict[str, float]:
+    """The objective's validation numbers on the fixed sample (fixed masks); with SOP also its accuracy apart on
+    pairs that open a document (where [CLS] is followed by the document's start when in order) and the rest."""
     import torch
 
     from stages.pretrain_loop import forward
     from stages.pretrain_objectives import eval_metrics, eval_sums
 
-    ids, labels = val
+    ids, labels, opens = val
     engine.eval()
     sums: list[float] = []
+    hits = []
     with torch.no_grad():
-        for i in range(min(batches, len(ids) // batch)):
+        for i in range(len(ids) // batch):
             part = slice(i * batch, (i + 1) * batch)
             out = forward(engine, masker, batch_of(ids[part], labels[part], cfg.sop), EVAL_MASK_OFFSET + i)
             batch_sums = eval_sums(cfg, out)
             sums = [a + b for a, b in zip(sums, batch_sums)] if sums else batch_sums
+            if cfg.sop:
+                hits.append(out["sop_logits"].argmax(-1).cpu().numpy() == labels[part])  # (B,)
     engine.train()
-    return {k: round(v, 4) for k, v in eval_metrics(cfg, sums).items()}
+    metrics = eval_metrics(cfg, sums)
+    if cfg.sop and opens is not None:
+        n = len(hits) * batch
+        hit, pair, first = np.concatenate(hits), labels[:n] != NO_PAIR, opens[:n]
+        for name, rows in (("opening", pair & first), ("rest", pair & ~first)):
+            metrics[f"val_sop_accuracy_{name}"] = float(hit[rows].mean()) if rows.any() else float("nan")
+            metrics[f"val_sop_pairs_{name}"] = int(rows.sum())
+    return {k: round(v, 4) for k, v in metrics.items()}
 
 
-def _train(engine, masker, train, cfg, steps: int, batch: int) -> dict[str, float]:
-    """`steps` optimizer steps over a seeded permutation (the same stream for every variant); last-50 means."""
+def _train(engine, masker, train, cfg, steps: int, batch: int, every: int = 0,
+           validate=None) -> tuple[dict[str, float], list[dict]]:
+    """`steps` optimizer steps over a seeded permutation (the same stream for every variant); last-50 means, and
+    `validate()` every `every` steps (the learning curve; none when 0)."""
     import torch
 
     from stages.pretrain_loop import forward
@@ -180,7 +233,7 @@ def _train(engine, masker, train, cfg, steps: int, batch: int) -> dict[str, floa
     ids, labels = train
     rng = np.random.default_rng(cfg.seed)
     order = np.concatenate([rng.permutation(len(ids)) for _ in range(math.ceil(steps * batch / len(ids)))])
-    keys, tail = ("loss", *step_metrics(cfg)), []
+    keys, tail, curve = ("loss", *step_metrics(cfg)), [], []
     for step in range(steps):
         rows = order[step * batch:(step + 1) * batch]
         torch.manual_seed(cfg.seed * 1_000_003 + step)  # dropout, as the pretraining loop seeds it
@@ -188,7 +241,9 @@ def _train(engine, masker, train, cfg, steps: int, batch: int) -> dict[str, floa
         engine.backward(out["loss"])
         engine.step()
         tail = (tail + [list(step_values(out, keys).values())])[-50:]
-    return {f"train_{k}_last50": round(float(v), 4) for k, v in zip(keys, np.mean(tail, 0))}
+        if every and (step + 1) % every == 0 and step + 1 < steps:
+            curve.append({"step": step + 1, **validate()})
+    return {f"train_{k}_last50": round(float(v), 4) for k, v in zip(keys, np.mean(tail, 0))}, curve
 
 
 def pretrain_job(job: dict[str, Any]) -> dict[str, Any]:
@@ -202,19 +257,25 @@ def pretrain_job(job: dict[str, Any]) -> dict[str, Any]:
     args, run, model = job["args"], job["run"], job["model"]
     cfg = pretrain_config(run, args)
     tok = Tokenizer.load(job["vocab_dir"])
-    train, val = load_split(job["tok_dir"], "train"), load_split(job["tok_dir"], "validation")
+    train = load_split(job["tok_dir"], "train")
+    val = validation_sample(job["tok_dir"], args.eval_batches * args.batch, args.seed)
     factory, _ = build_model(cfg, model)
     engine = build(factory, optim_spec(cfg), seed=cfg.seed)
     masker = make_masker(cfg, len(tok), tok.mask_id, list(tok.special_ids.values()),
                          torch.from_numpy(tok.word_start_mask()))
+    def validate() -> dict[str, float]:
+        return _validation(engine, masker, val, cfg, args.batch)
+
     wall, cpu = time.perf_counter(), time.process_time()
-    train_metrics = _train(engine, masker, train, cfg, args.steps, args.batch)
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    validation = _validation(engine, masker, val, cfg, args.eval_batches, args.batch)
+    train_metrics, curve = _train(engine, masker, train, cfg, args.steps, args.batch, args.eval_every, validate)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu  # learning-curve validations included
+    validation = validate()
+    curve.append({"step": args.steps, **validation})
     state = {k: v.detach() for k, v in engine.module.state_dict().items()}
     return {"name": run["name"], "steps": args.steps, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
             "params": sum(p.numel() for p in engine.module.parameters()), "train": train_metrics,
-            "validation": validation, "weights": backbone_weights("mlm", state)}
+            "validation": validation, "curve": curve if args.eval_every else [],
+            "weights": backbone_weights("mlm", state)}
 
 
 def run_all(args, runs, common: dict, setups: dict, ft: tuple) -> tuple[list[dict], list[dict]]:
@@ -277,13 +338,16 @@ def paper_size(run: dict[str, Any]) -> dict[str, Any]:
 def table(report: dict[str, Any]) -> str:
     n_seeds, e = len(report["finetune"]["seeds"]), report["debug_embedding"]
     lines = [f"| model | params (1.5B shape, E={PAPER_E}) | ZeRO-2 GiB/GPU | ZeRO-3 GiB/GPU | params (debug, E={e}) "
-             f"| val MLM loss | val SOP acc | dev acc (mean ± std, {n_seeds} seeds) |",
+             f"| val MLM loss | val SOP acc (all pairs / not opening a document) "
+             f"| dev acc (mean ± std, {n_seeds} seeds) |",
              "|---|---|---|---|---|---|---|---|"]
     for name, r in report["runs"].items():
         big, p, f = r["paper_size"], r["pretrain"], r["finetune"]
         v = p["validation"]
         mlm = v.get("val_mlm_loss", v["val_loss"])
         sop = f"{v['val_sop_accuracy']:.3f}" if "val_sop_accuracy" in v else "—"
+        if "val_sop_accuracy_rest" in v:
+            sop += f" / {v['val_sop_accuracy_rest']:.3f}"
         lines.append(f"| {name} | {big['params'] / 1e6:,.0f}M | {big['zero2_gib_per_gpu']:.2f} "
                      f"| {big['zero3_gib_per_gpu']:.2f} | {p['params'] / 1e3:,.0f}K "
                      f"| {mlm:.3f} | {sop} | {f['dev_mean']:.4f} ± {f['dev_std']:.4f} |")
@@ -304,14 +368,17 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: {tok_dir} holds {train.shape[1]}-token sequences, the debug model takes "
                          f"{base.max_position_embeddings}; tokenize with the debug preset")
     ft = finetune_setup(args, base, vocab_dir)
-    runs = variants()
+    runs = [r for r in variants() if r["name"] in args.variants]
     setups = {r["name"]: dataclasses.replace(ft[0], model=variant_model(base, r, args.debug_embedding)) for r in runs}
     big = {r["name"]: paper_size(r) for r in runs}
     common = {"args": args, "tok_dir": tok_dir, "vocab_dir": vocab_dir}
+    labels = load_split(tok_dir, "train")[1]
+    pairs = labels != NO_PAIR
     data_info = {"tokenize_artifact": str(tok_dir), "vocab_artifact": str(vocab_dir), "seq_len": train.shape[1],
-                 "train_sequences": len(train), "sop_swapped_fraction": round(float(np.mean(load_split(
-                     tok_dir, "train")[1] == 1)), 4), "vocab_rows": base.vocab_size}
-    del train
+                 "train_sequences": len(train), "sop_pair_fraction": round(float(np.mean(pairs)), 4),
+                 "sop_swapped_fraction_of_pairs": round(float(np.mean(labels[pairs] == 1)), 4),
+                 "vocab_rows": base.vocab_size}
+    del train, labels, pairs
     pretrained, trials = run_all(args, runs, common, setups, ft)
     by_name = {r["name"]: r for r in pretrained}
     grid = ft[2]
@@ -319,7 +386,7 @@ def main(argv=None) -> int:
         "command": " ".join(["python -m bench.albert", *(sys.argv[1:] if argv is None else argv)]),
         "data": data_info, "debug_embedding": args.debug_embedding,
         "pretrain": {"steps": args.steps, "batch": args.batch, "lr": args.lr, "warmup": args.warmup,
-                     "seed": args.seed, "objective": "mlm (+ SOP where named)",
+                     "seed": args.seed, "eval_every": args.eval_every, "objective": "mlm (+ SOP where named)",
                      "note": "same segment-pair rows for every run; -SOP runs ignore sop_label; val MLM loss on "
                              "fixed masks, SOP term reported apart"},
         "paper_size": {"model": "pipeline.presets.MODEL_1_5B", "embedding_size": PAPER_E, "nodes": PLAN_NODES,

@@ -20,13 +20,14 @@ batch boundaries, so there is at most one padded sequence per batch of documents
 0.5% padding), and memory stays bounded by one batch.
 
 With `segment_pairs` (ALBERT's sentence-order prediction) rows are instead `[CLS] A [SEP] B [SEP]` pairs of one
-document each (`stages.segment_pairs`), padded to `max_seq_len`, with a `sop_label` column (1: swapped).
+document each (`stages.segment_pairs`: whole sentences, cut between two of them), padded to `max_seq_len`, with a
+`sop_label` column (1: swapped, 0: in order, -100: a row of one sentence, no pair).
 
 Output: train/ and validation/ Parquet shards with columns
   input_ids: fixed_size_list<uint32>[max_seq_len]  (uint32: 128K ids do not fit uint16)
   length:    int32, tokens before the padding ([CLS] and [SEP] included), so attention masks need no scan
   doc_id:    string, the corpus document the sequence's first token comes from (provenance)
-  sop_label: int8, with segment_pairs only
+  sop_label: int8, with segment_pairs only (1 swapped, 0 in order, -100 no pair)
 train/part-<j>.parquet holds positions [j * rows_per_shard, (j + 1) * rows_per_shard) of the permutation;
 validation shard i of corpus row group u is validation/part-<u>-<i>.parquet (at most `rows_per_shard` sequences).
 The same inputs and seed give the same files. tokens.json (per split: documents, sequences, tokens, padding,
@@ -48,14 +49,14 @@ import pyarrow.parquet as pq
 
 from pipeline.tokenizer import Tokenizer
 from stages.base import StageContext, StageResult
-from stages.segment_pairs import SOP_COLUMN, document_rng, segment_pairs
+from stages.segment_pairs import SOP_COLUMN, SentenceEnds, document_rng, segment_pairs
 from stages.vocab import SPLITS, split_files
 
 if TYPE_CHECKING:
     from pipeline.artifacts import Artifact
     from pipeline.config import TokenizeConfig
 
-VERSION = "3"  # 3: train split globally shuffled, doc_id column; 2: row groups of ROW_GROUP_ROWS sequences
+VERSION = "4"  # 4: segment pairs of whole sentences; 3: train split globally shuffled, doc_id column; 2: ...
 
 SUMMARY_FILE = "tokens.json"
 STAGING = ".packed"  # the packed, not yet shuffled shards; removed before the artifact is complete
@@ -118,6 +119,8 @@ class PackDocuments:
         self.out = Path(out)
         self.threads = threads
         self.segment_pairs, self.seed = segment_pairs, seed
+        # ALBERT's segments are whole sentences: where this tokenizer's pieces end one
+        self.sentence_ends = SentenceEnds.of(tokenizer.pieces()) if segment_pairs else None
 
     def __call__(self, units: dict[str, np.ndarray]) -> dict[str, list]:
         shards: dict[str, list] = {"split": [], "file": [], "sequences": [], "tokens": [], "cpu_seconds": []}
@@ -142,7 +145,8 @@ class PackDocuments:
     def pair_table(self, doc_ids: list[str], ids: list[np.ndarray]) -> pa.Table:
         """tokenize.segment_pairs: every document's sentence-order pairs (`stages.segment_pairs`), one per row."""
         parts = [segment_pairs(d, self.max_seq_len, self.tok.cls_id, self.tok.sep_id, self.tok.pad_id,
-                               document_rng(self.seed, doc_id)) for doc_id, d in zip(doc_ids, ids)]
+                               document_rng(self.seed, doc_id), self.sentence_ends)
+                 for doc_id, d in zip(doc_ids, ids)]
         rows, lengths, labels = (np.concatenate([p[i] for p in parts]) for i in range(3))
         owners = [doc_id for doc_id, p in zip(doc_ids, parts) for _ in range(len(p[1]))]
         return to_table(rows.reshape(-1, self.max_seq_len), lengths, owners, labels)

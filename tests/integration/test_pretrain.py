@@ -483,14 +483,15 @@ def test_rtd_two_nodes_resumes_after_worker_loss(ray_cluster_2_nodes, tokens, mo
 
 
 def test_albert_options_train_and_fine_tune(ray_cluster_2_nodes, tokens, model_cfg, workdir, lineage, tmp_path):
-    """ALBERT-style DeBERTa (seed 004) on 2 nodes: factorised embeddings (E = 32 < H = 64), every layer shared,
-    sentence-order prediction on segment-pair shards. Losses fall, SOP is trained and measured every step and on
-    validation (at this size it stays near chance: bench.albert), the HF export is the unshared copy, and the
-    fine-tuning stage starts from the artifact."""
+    """ALBERT-style DeBERTa (seed 004) on 2 nodes: the issue's E = 128 embeddings on the debug preset (projected
+    to H = 64), every layer shared, sentence-order prediction on segment-pair shards. Losses fall, SOP is trained
+    and measured every step and on validation, the HF export is the unshared copy, and the fine-tuning stage starts
+    from the artifact. SOP accuracy is not asserted above chance: 120 steps are far too few (bench.albert: the
+    debug model leaves chance on sentence order after ~1,500 steps of 16 x 128 tokens at this lr)."""
     from pipeline.config import FinetuneConfig
     from stages.finetune.tasks import resolve_task
 
-    albert = model_cfg.replace(embedding_size=32, share_layers="all")
+    albert = model_cfg.replace(embedding_size=128, share_layers="all")
     pairs = Artifact("tokenize", "tok-sop", workdir / "artifacts" / "tokenize" / "tok-sop")
     cfg = replace(BASE, sop=True, max_steps=120, eval_interval=60, ckpt_interval=60)
     pre = pretrain_job(cfg, "albert", workdir, {**tokens, "tokenize": pairs}, albert, lineage)
@@ -518,6 +519,6 @@ def test_albert_options_train_and_fine_tune(ray_cluster_2_nodes, tokens, model_c
     assert len(history(tracker, "sop_loss")) == cfg.max_steps
     out = workdir / "artifacts" / "pretrain" / "albert"
     hf_config = json.loads((out / "hf" / "config.json").read_text())
-    assert hf_config["embedding_size"] == 32 and hf_config["num_hidden_layers"] == albert.num_hidden_layers
+    assert hf_config["embedding_size"] == 128 and hf_config["num_hidden_layers"] == albert.num_hidden_layers
     finetuned = outcomes[2][1]
     assert 0.0 < finetuned.metrics["best_dev_accuracy"] <= 1.0 and finetuned.counts["trials"] == 1

@@ -269,8 +269,8 @@ def test_encoder_threads_do_not_change_the_shards(vocab, corpus, tmp_path):
 
 
 def test_segment_pairs_for_sentence_order(store, workdir, module_tracker, corpus, vocab, ray_local):
-    """tokenize.segment_pairs: every row is [CLS] A [SEP] B [SEP] of one document with a sop_label, about half
-    swapped; the same inputs give the same bytes."""
+    """tokenize.segment_pairs: a row is [CLS] A [SEP] B [SEP] of one document with a sop_label (about half
+    swapped), or [CLS] sentence [SEP] with -100 when a window holds one sentence; same inputs, same bytes."""
     cfg = dataclasses.replace(TOKENIZE, segment_pairs=True)
     art, _ = build(store, workdir, module_tracker, tokenize_stage, cfg, {"corpus": corpus, "vocab": vocab[0]},
                    "tokens-sop")
@@ -278,8 +278,9 @@ def test_segment_pairs_for_sentence_order(store, workdir, module_tracker, corpus
     table = pq.read_table(art.path / "train")
     ids = np.stack(table.column("input_ids").to_numpy(zero_copy_only=False))
     labels = table.column("sop_label").to_numpy()
-    assert len(ids) > 100 and set(np.unique(labels)) == {0, 1} and 0.4 < labels.mean() < 0.6
-    assert (ids[:, 0] == tok.cls_id).all() and ((ids == tok.sep_id).sum(1) == 2).all()
+    pairs = labels != -100
+    assert set(np.unique(labels)) == {-100, 0, 1} and pairs.sum() > 100 and 0.4 < labels[pairs].mean() < 0.6
+    assert (ids[:, 0] == tok.cls_id).all() and ((ids == tok.sep_id).sum(1) == np.where(pairs, 2, 1)).all()
     lengths = table.column("length").to_numpy()
     assert all(row[n - 1] == tok.sep_id and not row[n:].any() for row, n in zip(ids, lengths))
     again, _ = build(store, workdir, module_tracker, tokenize_stage, cfg, {"corpus": corpus, "vocab": vocab[0]},
