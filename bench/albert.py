@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import dataclasses
-import json
 import math
 import multiprocessing as mp
 import sys
@@ -51,7 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.objectives import (EVAL_MASK_OFFSET, _floats, _init_worker, _ints, backbone_weights,  # noqa: E402
+from bench.objectives import (EVAL_MASK_OFFSET, _floats, _init_worker, _ints, backbone_weights, emit,  # noqa: E402
                               find_artifacts, finetune_job, finetune_setup, load_sequences, model_config,
                               summarise_finetune)
 from stages.segment_pairs import NO_PAIR  # noqa: E402
@@ -399,13 +398,7 @@ def main(argv=None) -> int:
                              "finetune": summarise_finetune(r["name"], trials, grid)} for r in runs},
         "procs": args.procs, "threads": args.threads, "wall_s": round(time.time() - started, 1),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
-    print()
-    print(table(report))
+    emit(report, args.json, table(report))
     return 0
 
 

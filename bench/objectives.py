@@ -440,6 +440,17 @@ def tables(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def emit(report: dict[str, Any], json_path: Path | None, table: str) -> None:
+    """A bench's output: the JSON report (also written to `json_path` when given), then its table."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(text + "\n")
+    print()
+    print(table)
+
+
 def build_report(args, argv, runs, pretrained, trials, ft, data_info, started: float) -> dict[str, Any]:
     setup, data, grid, baseline, task = ft
     by_name = {r["objective"]: r for r in pretrained}
@@ -499,13 +510,7 @@ def main(argv=None) -> int:
     pretrained, trials = run_all(args, runs, common, {"setup": ft[0], "data": ft[1], "grid": ft[2]})
     report = build_report(args, sys.argv[1:] if argv is None else argv, runs, pretrained, trials, ft, data_info,
                           started)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
-    print()
-    print(tables(report))
+    emit(report, args.json, tables(report))
     return 0
 
 
