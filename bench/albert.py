@@ -227,7 +227,7 @@ def _train(engine, masker, train, cfg, steps: int, batch: int, every: int = 0,
     import torch
 
     from stages.pretrain_loop import forward
-    from stages.pretrain_objectives import step_metrics, step_values
+    from stages.pretrain_objectives import finish_metrics, step_metrics, step_values
 
     ids, labels = train
     rng = np.random.default_rng(cfg.seed)
@@ -242,7 +242,8 @@ def _train(engine, masker, train, cfg, steps: int, batch: int, every: int = 0,
         tail = (tail + [list(step_values(out, keys).values())])[-50:]
         if every and (step + 1) % every == 0 and step + 1 < steps:
             curve.append({"step": step + 1, **validate()})
-    return {f"train_{k}_last50": round(float(v), 4) for k, v in zip(keys, np.mean(tail, 0))}, curve
+    last50 = finish_metrics(dict(zip(keys, np.mean(tail, 0))))
+    return {f"train_{k}_last50": round(float(v), 4) for k, v in last50.items()}, curve
 
 
 def pretrain_job(job: dict[str, Any]) -> dict[str, Any]:

@@ -285,7 +285,7 @@ def _train(engine, masker, train: np.ndarray, cfg, steps: int, batch: int, log_e
     objective); returns the train-loss curve (means over `log_every` steps)."""
     import torch
 
-    from stages.pretrain_objectives import step_metrics, step_values
+    from stages.pretrain_objectives import finish_metrics, step_metrics, step_values
 
     epochs = math.ceil(steps * batch / len(train)) if steps else 0
     rng = np.random.default_rng(cfg.seed)
@@ -300,7 +300,8 @@ def _train(engine, masker, train: np.ndarray, cfg, steps: int, batch: int, log_e
         engine.step()
         acc.append(list(step_values(out, keys).values()))
         if len(acc) == log_every or step == steps - 1:
-            curve.append({"step": step + 1, **{k: round(float(v), 4) for k, v in zip(keys, np.mean(acc, 0))}})
+            means = finish_metrics(dict(zip(keys, np.mean(acc, 0))))
+            curve.append({"step": step + 1, **{k: round(float(v), 4) for k, v in means.items()}})
             acc = []
     return curve
 

@@ -364,7 +364,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         done = state.step == cfg.max_steps
         if state.step % cfg.log_interval == 0 or done:
             lr = step.pop("lr")
-            means = dict(zip(step, (v / world for v in all_reduce_sum(list(step.values()), engine.device))))
+            means = objectives.finish_metrics(
+                dict(zip(step, (v / world for v in all_reduce_sum(list(step.values()), engine.device)))))
             metrics = {**means, "lr": lr, "grad_norm": engine.grad_norm, "epoch": state.epoch,
                        **timer.read(state.step)}
             parts = "".join(f" {k} {means[k]:.4f}" for k in ("mlm_loss", "rtd_loss", "rtd_accuracy", "sop_accuracy")

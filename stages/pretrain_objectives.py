@@ -33,20 +33,24 @@ OBJECTIVE_METRICS = {"mlm": (), "rtd": ("mlm_loss", "rtd_loss", "rtd_accuracy", 
 
 
 def step_metrics(cfg: PretrainConfig) -> tuple[str, ...]:
-    """Per-step numbers logged besides `loss`, averaged over micro-batches and workers."""
-    sop = ("mlm_loss", "sop_loss", "sop_accuracy") if cfg.sop else ()
+    """Per-step numbers accumulated besides `loss`, averaged over micro-batches and workers; SOP as its counts
+    (`finish_metrics` turns them into its accuracy, so a micro-batch without a sentence pair weighs nothing)."""
+    sop = ("mlm_loss", "sop_loss", "sop_correct", "sop_count") if cfg.sop else ()
     return tuple(dict.fromkeys((*OBJECTIVE_METRICS[cfg.objective], *sop)))
 
 
 def step_values(out: dict[str, torch.Tensor], keys: tuple[str, ...]) -> dict[str, float]:
-    """The step metrics of one micro-batch from the model's outputs (SOP accuracy from its counts)."""
-    values = {}
-    for k in keys:
-        if k == "sop_accuracy":
-            values[k] = float(out["sop_correct"]) / max(float(out["sop_count"]), 1.0)
-        else:
-            values[k] = float(out[k].detach())
-    return values
+    """The step metrics of one micro-batch from the model's outputs."""
+    return {k: float(out[k].detach()) for k in keys}
+
+
+def finish_metrics(means: dict[str, float]) -> dict[str, float]:
+    """Averaged step metrics as logged: SOP's mean counts become `sop_accuracy` (correct over pairs seen)."""
+    means = dict(means)
+    if "sop_count" in means:
+        correct, count = means.pop("sop_correct"), means.pop("sop_count")
+        means["sop_accuracy"] = correct / count if count else float("nan")
+    return means
 
 
 def build_model(cfg: PretrainConfig, model: DebertaConfig) -> tuple[Callable[[], nn.Module],

@@ -6,6 +6,7 @@ and a tiny model that learns sentence order."""
 from __future__ import annotations
 
 import copy
+import math
 import os
 import re
 import sys
@@ -399,6 +400,27 @@ def test_sop_loss_and_accuracy_come_from_the_head():
         model(ids, mask, labels, sop_labels[:, None])
     with pytest.raises(ValueError, match=r"no sentence-order head; build it with DebertaForMaskedLM\(cfg, sop=True\)"):
         DebertaForMaskedLM(cfg)(ids, mask, labels, sop_labels)
+
+
+def test_logged_sop_accuracy_weighs_micro_batches_by_their_pairs():
+    """The loop averages each step metric over micro-batches and workers; SOP accuracy is taken from the averaged
+    counts, so a micro-batch whose rows hold no sentence pair (all sop_label -100) does not count as 0% correct."""
+    from pipeline.config import PretrainConfig
+    from stages import pretrain_objectives as objectives
+
+    cfg = debug()
+    torch.manual_seed(0)
+    model = DebertaForMaskedLM(cfg, sop=True).eval()
+    ids, mask, labels = _batch(cfg)
+    keys = ("loss", *objectives.step_metrics(PretrainConfig(sop=True)))
+    with torch.no_grad():
+        outs = [model(ids, mask, labels, torch.tensor(sop)) for sop in ([1, 0, 1], [-100, -100, -100])]
+    rows = [objectives.step_values(out, keys) for out in outs]
+    means = objectives.finish_metrics({k: sum(r[k] for r in rows) / 2 for k in keys})
+    assert means["sop_accuracy"] == pytest.approx(int(outs[0]["sop_correct"]) / 3)
+    assert "sop_count" not in means and "sop_correct" not in means
+    no_pairs = objectives.finish_metrics({"loss": 1.0, "sop_correct": 0.0, "sop_count": 0.0})
+    assert math.isnan(no_pairs["sop_accuracy"])  # no pairs in the whole step: no accuracy, not 0
 
 
 CLS, SEP, MASK = 1, 2, 4
