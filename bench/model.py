@@ -10,7 +10,7 @@
 Both run in training mode (dropout on), forward + backward, no optimizer step (identical for both).
 Timing: both libraries in one process, steps interleaved, fastest step reported (robust to load
 from other processes on a shared machine). Memory: one subprocess per library so numbers do not mix.
-Peak memory: on CPU, the growth of the process's peak RSS (`resource.getrusage` ru_maxrss) over the
+Peak memory: on CPU, the growth of the process's peak RSS (VmHWM, `bench.memory`) over the
 steps, measured from after the model and inputs were built (so it counts activations, gradients and
 allocator caches, not weights); on CUDA, `torch.cuda.max_memory_allocated` over the same span.
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import sys
 import subprocess
@@ -32,6 +31,11 @@ from pathlib import Path
 
 import torch
 
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as `python bench/model.py`
+    sys.path.insert(0, str(REPO))
+
+from bench import memory  # noqa: E402
 from deberta import flops
 from deberta.config import DebertaConfig
 from deberta.masking import SpanMasker
@@ -83,10 +87,6 @@ def _models(cfg: DebertaConfig, impl: str, task: str):
     return model, step
 
 
-def _peak_bytes(device: str) -> int:
-    if device.startswith("cuda"):
-        return torch.cuda.max_memory_allocated()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def _setup(args: argparse.Namespace, impl: str, task: str, seq: int):
@@ -144,13 +144,14 @@ def memory_worker(spec: dict) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     _, model, step, _, inputs = _setup(args, impl, spec["task"], spec["seq"])
-    cuda = args.device.startswith("cuda")
-    if cuda:
+    if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated() if cuda else _peak_bytes(args.device)
+        base, peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated
+    else:
+        base, peak = memory.reset_peak(), memory.peak_bytes
     for _ in range(2):
         _train_step(args, model, step, inputs)
-    return {"peak_mem_mb": (_peak_bytes(args.device) - base) / 2**20}
+    return {"peak_mem_mb": (peak() - base) / 2**20}
 
 
 def _spawn(spec: dict):
@@ -177,7 +178,7 @@ def run_all(args: argparse.Namespace) -> dict:
             "threads": args.threads or torch.get_num_threads(), "tokens_per_step": args.tokens, "steps": args.steps,
             "timing": "fastest of the interleaved steps (median also given)",
             "memory": "CUDA max_memory_allocated growth" if args.device.startswith("cuda")
-            else "peak RSS growth (ru_maxrss) over 2 steps, one process per library",
+            else "peak RSS growth (VmHWM) over 2 steps, one process per library",
             "results": results}
 
 

@@ -24,13 +24,14 @@ import argparse
 import ctypes
 import json
 import os
-import re
 import resource
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench import memory
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -41,16 +42,15 @@ prefetched 10M at a time, AdamW stepped on 10M-element slices of the shard (its 
 
 
 def rss_mib() -> float:
-    return int(re.search(r"VmRSS:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
+    return memory.rss_bytes() / MIB
 
 
 def hwm_mib() -> float:
-    return int(re.search(r"VmHWM:\s+(\d+)", Path("/proc/self/status").read_text()).group(1)) / 1024
+    return memory.peak_bytes() / MIB
 
 
 def reset_hwm() -> None:
-    """Peak RSS := current RSS (Linux >= 4.0; also what getrusage's ru_maxrss reports)."""
-    Path("/proc/self/clear_refs").write_text("5")
+    memory.reset_peak()
 
 
 def trim() -> float:

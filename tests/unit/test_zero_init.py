@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import textwrap
 from pathlib import Path
@@ -43,21 +42,6 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _rss_bytes() -> int:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _restart_peak() -> int:
-    """This process's RSS now, made the start of its peak (writing 5 to /proc/self/clear_refs resets the high-water
-    mark that getrusage's ru_maxrss reports). Where the reset is refused, ru_maxrss stays the peak since the process
-    started: an upper bound of the peak since now, so the test's bound still holds."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-    return _rss_bytes()
-
-
 def _trim_heap() -> None:
     """Hand freed heap pages back between the training phases: keeps the test's footprint down on a shared machine
     (DeepSpeed's gathers in the forward pass leave ~0.8 GiB of free heap per rank); not part of what is measured."""
@@ -82,6 +66,7 @@ def _step(engine, rank: int) -> float:
 
 def zero_init_run(out: str) -> None:
     """One rank: the model built by `construct` (its peak RSS rise recorded), one step, a ZeRO checkpoint."""
+    from bench import memory
     from cluster.deepspeed_config import engine_config
     from cluster.engine import OptimSpec, construct, deepspeed_engine, init_distributed
 
@@ -90,9 +75,9 @@ def zero_init_run(out: str) -> None:
     ds_config = engine_config(train_batch=world, micro=1, accum=1, clip=1.0, zero_stage=3, use_gpu=False)
     ds_config["zero_optimization"].update(LEAN)
     torch.manual_seed(0)
-    start = _restart_peak()
+    start = memory.reset_peak()  # the kernel's high-water mark; not ru_maxrss, which holds the parent's size
     model = construct(lambda: DebertaForMaskedLM(MODEL), ds_config, init_module=lambda m: init_weights(m, MODEL))
-    rise = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - start  # ru_maxrss: KiB on Linux
+    rise = memory.peak_bytes() - start
     report = {"rise": rise, "params": sum(p.ds_numel for p in model.parameters()),
               "held": sum(p.ds_tensor.numel() for p in model.parameters())}
     engine = deepspeed_engine(model, OptimSpec(lr=LR, warmup_steps=0, total_steps=10), ds_config)
@@ -106,21 +91,17 @@ def zero_init_run(out: str) -> None:
 
 @pytest.mark.slow
 def test_zero3_rank_builds_a_300m_model_without_holding_it_whole_then_trains_and_consolidates(tmp_path):
-    """Each rank's peak RSS rise while `construct` builds the model stays under the model's fp32 size: no rank holds
-    it whole (its own shards are 0.5x; run alone this test measures 0.60-0.63x, and before `construct` handed freed
-    heap pages back 0.99-1.02x; inside the whole `make test` rank 0 measured 0.92-0.94x, a cause not yet found, so
-    the bound is 1x). The ZeRO checkpoint after one step consolidates to every parameter at full shape,
-    initialised on gathered modules (linear weights std 0.02: N(0, 0.02), not nn.Linear's own kaiming init, std
-    0.0147) and updated by AdamW (LayerNorm gains moved off 1 by at most lr)."""
+    """Each rank's peak RSS rise while `construct` builds the model stays well below the model's fp32 size: its own
+    shards are 0.5x, and the build adds one module at a time (measured 0.59-0.63x; 0.99-1.02x before `construct`
+    handed freed heap pages back). The ZeRO checkpoint after one step consolidates to every parameter at full
+    shape, initialised on gathered modules (linear weights std 0.02: N(0, 0.02), not nn.Linear's own kaiming init,
+    std 0.0147) and updated by AdamW (LayerNorm gains moved off 1 by at most lr)."""
     pytest.importorskip("deepspeed")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     from tests.conftest import run_gloo_ranks
 
-    # glibc's allocator pinned (every block >= 64 KiB its own mapping, returned when freed): RSS then follows what
-    # is live, so the bound measures what ZeRO-3 construction holds, not whether freed heap pages were handed back
-    # in time (the engine's `_heap_trimmer` does that in production).
-    env = {"TEST_DIR": str(Path(__file__).parent), "OUT": str(tmp_path), "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env = {"TEST_DIR": str(Path(__file__).parent), "OUT": str(tmp_path)}
     run_gloo_ranks(WORKER, tmp_path, env, timeout=600)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     params = reports[0]["params"]
@@ -128,7 +109,7 @@ def test_zero3_rank_builds_a_300m_model_without_holding_it_whole_then_trains_and
     assert params >= 300_000_000, params
     for r, report in enumerate(reports):
         assert report["held"] <= params // 2 + 10**6, report  # the shards: half the model, each
-        assert report["rise"] < 1.0 * fp32, (f"rank {r} grew {report['rise'] / 2**30:.2f} GiB building a "
+        assert report["rise"] < 0.7 * fp32, (f"rank {r} grew {report['rise'] / 2**30:.2f} GiB building a "
                                              f"{fp32 / 2**30:.2f} GiB model ({report['rise'] / fp32:.2f}x)")
         assert 7.0 < report["loss"] < 11.0, report  # ~ln(8000) = 9.0 from a fresh init
 
