@@ -375,10 +375,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             out.log({k: None if v is None else float(v) for k, v in metrics.items()}, step=state.step)
         if state.step % cfg.eval_interval == 0 or done:
             last_eval = evaluate(engine, val_batches, masker, cfg, rank, world)
-            rtd = (f" RTD accuracy {last_eval['val_rtd_accuracy']:.3f} (all-original "
-                   f"{last_eval['val_all_original_accuracy']:.3f})" if cfg.objective == "rtd" else "")
+            extra = (f" RTD accuracy {last_eval['val_rtd_accuracy']:.3f} (all-original "
+                     f"{last_eval['val_all_original_accuracy']:.3f})" if cfg.objective == "rtd" else "")
+            extra += f" SOP accuracy {last_eval['val_sop_accuracy']:.3f}" if cfg.sop else ""
             out.print(f"step {state.step} validation loss {last_eval['val_loss']:.4f} "
-                      f"accuracy {last_eval['val_accuracy']:.3f} perplexity {last_eval['val_perplexity']:.1f}{rtd}")
+                      f"accuracy {last_eval['val_accuracy']:.3f} perplexity {last_eval['val_perplexity']:.1f}{extra}")
             out.log(last_eval, step=state.step)
         if state.step % cfg.ckpt_interval == 0 or done:
             final = {"worker_nodes": nodes} if done else {}

@@ -105,7 +105,7 @@ def eval_metrics(cfg: PretrainConfig, sums: list[float]) -> dict[str, float]:
     if cfg.sop:
         sop_sum, count, sop_correct = rest
         metrics.update(val_mlm_loss=mlm, val_sop_loss=sop_sum / max(count, 1.0),
-                       val_sop_accuracy=sop_correct / max(count, 1.0))
+                       val_sop_accuracy=sop_correct / max(count, 1.0), val_sop_pairs=count)
         metrics["val_loss"] += metrics["val_sop_loss"]
     return metrics
 
