@@ -115,9 +115,10 @@ def ray_cluster_2_nodes():
     token.write_text(secrets.token_hex(32))
     token.chmod(0o600)
     address = "127.0.0.1:6380"
-    # RAY_ADDRESS: Ray Train's placement-group cleaner calls the state API without an address
+    # RAY_ADDRESS: Ray Train's placement-group cleaner calls the state API without an address. Drain timeout 0, as
+    # cluster/local.sh: on SIGTERM `ray start --block` otherwise waits 30 s for a drain (for Serve) before it stops
     env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), RAY_USAGE_STATS_ENABLED="0",
-               PYTHONPATH=str(REPO), RAY_ADDRESS=address)
+               PYTHONPATH=str(REPO), RAY_ADDRESS=address, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
     procs = [_ray_start(state, "node_head", env, "--head", "--port", "6380", "--include-dashboard", "true",
                         "--dashboard-host", "127.0.0.1", "--dashboard-port", "8266",
                         "--dashboard-agent-listen-port", "52365", "--min-worker-port", "10100",
