@@ -64,12 +64,13 @@ def read(workdir: Path) -> dict:
     curve = [{"step": s, "val_mlm_loss": round(mlm[s], 4), "val_sop_accuracy": round(sop[s], 4),
               "sigmas_above_chance": round((sop[s] - 0.5) / sigma, 2)} for s in sorted(sop)]
     above = [row["step"] for row in curve if row["sigmas_above_chance"] > 2]
-    stays = next((row["step"] for i, row in enumerate(curve) if all(r["sigmas_above_chance"] > 2 for r in curve[i:])),
-                 None)
+    stays = next((row["step"] for i, row in enumerate(curve)
+                  if all(r["sigmas_above_chance"] > 2 for r in curve[i:])), None)
     ft = finetune.data.metrics
     metric = next(k for k in ft if k.startswith("best_dev_") and not k.endswith("_seed_mean"))
     return {
-        "validation_pairs": n, "chance": 0.5, "chance_two_sigma": [round(0.5 - 2 * sigma, 4), round(0.5 + 2 * sigma, 4)],
+        "validation_pairs": n, "chance": 0.5,
+        "chance_two_sigma": [round(0.5 - 2 * sigma, 4), round(0.5 + 2 * sigma, 4)],
         "curve": curve, "first_step_above_two_sigma": above[0] if above else None,
         "above_two_sigma_from_step": stays,
         "final": curve[-1] if curve else None,
@@ -86,8 +87,8 @@ def table(report: dict) -> str:
     lines = [f"validation SOP over {report['validation_pairs']} sentence pairs; chance 0.5, two sigma "
              f"{report['chance_two_sigma'][0]:.3f}-{report['chance_two_sigma'][1]:.3f}",
              "| step | val MLM loss | val SOP accuracy | sigmas above chance |", "|---|---|---|---|"]
-    lines += [f"| {r['step']} | {r['val_mlm_loss']:.3f} | {r['val_sop_accuracy']:.3f} | {r['sigmas_above_chance']:+.1f} |"
-              for r in report["curve"]]
+    lines += [f"| {r['step']} | {r['val_mlm_loss']:.3f} | {r['val_sop_accuracy']:.3f} | "
+              f"{r['sigmas_above_chance']:+.1f} |" for r in report["curve"]]
     ft = report["finetune"]
     lines.append(f"above two sigma from step {report['above_two_sigma_from_step']}; fine-tuned on {ft['task']}: "
                  f"{ft['metric']} {ft['champion']:.3f} (majority baseline {ft['majority_baseline']:.3f}); "
@@ -103,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--eval-batches", type=int, default=96,
-                   help="per worker, of the preset's 8 rows: 96 x 8 x 2 covers the debug corpus's 1,548 validation rows")
+                   help="per worker, of the preset's 8 rows: 96 x 8 x 2 covers the debug corpus's 1,548 "
+                        "validation rows")
     p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "albert_pipeline.json")
     args = p.parse_args(argv)
     command = [sys.executable, *pipeline_argv(args)]
