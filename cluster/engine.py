@@ -256,7 +256,8 @@ def construct(make_model: Callable[[], nn.Module], ds_config: dict[str, Any],
     0.69-0.71 GiB (0.60-0.62x) after, its shards being 0.5x (`tests/unit/test_zero_init.py` holds it under 0.7x);
     H=2048 x 6, V=8,000 (376M, 1.40 GiB): 1.32-1.44 GiB (0.94-1.03x) before, 0.87 GiB (0.62x) after; large's
     width x 14 with its 128,100 x 1024 embedding (340M, the embedding 0.49 of 1.27 GiB): 2.05-2.06 GiB (1.62x)
-    before, 1.65 GiB (1.31x) after: that embedding, gathered over gloo, is the peak. DeepSpeed's own memory comes
+    before, 1.65 GiB (1.31x) after: that embedding, gathered over gloo, is the peak; the whole 1.5B MLM (48 layers,
+    128,100 rows: 1,568M, 5.84 GiB): 4.42 GiB (0.76x), 3.35 GiB held once built. DeepSpeed's own memory comes
     later and is not counted here: `deepspeed.initialize` adds an fp32 copy of the shards and gradient buffers, the
     first step Adam's moments.
     """
