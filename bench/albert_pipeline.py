@@ -25,6 +25,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.objectives import emit  # noqa: E402
+from pipeline.lineage import EXPERIMENT, default_tracking_uri  # noqa: E402
 
 
 def pipeline_argv(args: argparse.Namespace) -> list[str]:
@@ -37,7 +38,7 @@ def pipeline_argv(args: argparse.Namespace) -> list[str]:
 
 def latest_run(client, stage: str, workdir: Path):
     runs = client.search_runs(
-        [client.get_experiment_by_name("deberta-pipeline").experiment_id],
+        [client.get_experiment_by_name(EXPERIMENT).experiment_id],
         filter_string=f"tags.`pipeline.stage` = '{stage}' and tags.`pipeline.status` = 'finished'",
         order_by=["attributes.start_time DESC"], max_results=1)
     if not runs:
@@ -48,7 +49,7 @@ def latest_run(client, stage: str, workdir: Path):
 def read(workdir: Path) -> dict:
     import mlflow
 
-    client = mlflow.MlflowClient(f"sqlite:///{(workdir / 'mlflow' / 'mlflow.db').resolve()}")
+    client = mlflow.MlflowClient(default_tracking_uri(workdir))  # where the pipeline run logged
     pretrain, finetune = latest_run(client, "pretrain", workdir), latest_run(client, "finetune", workdir)
 
     def history(key: str) -> dict[int, float]:
