@@ -414,11 +414,16 @@ def test_zero3_survives_worker_loss_and_stage_restart(ray_cluster_2_nodes, token
     losses = history(tracker, "loss")
     steps = [s for s, _ in losses]
     restored = [int(s) for s, _ in history(tracker, "restored_from_step")]
+    assert len(restored) == 2 and restored[0] >= 6 and restored[1] >= restored[0] + 6, (steps, restored)
+    # Logged: 1..k1 (a worker killed at k1), r0+1..k2 (the driver killed at k2), r1+1..max_steps: each restore
+    # re-runs exactly the steps after its checkpoint. The driver can be killed before it logs a step past its newest
+    # checkpoint (k2 = r1); the re-run stage then continues the sequence without going back.
     back = restarts(steps)
-    assert len(back) == 2 and restored[0] >= 6 and restored[1] >= restored[0] + 6, (steps, restored)
-    for i, r in zip(back, restored):  # each restore re-runs exactly the steps after its checkpoint
-        assert steps[i] == r + 1, (steps, restored)
-    assert steps[back[1]:] == list(range(restored[1] + 1, cfg.max_steps + 1))
+    assert len(back) in (1, 2), (steps, restored)
+    k1, k2 = steps[back[0] - 1], steps[back[1] - 1] if len(back) == 2 else restored[1]
+    assert k1 > restored[0] and k2 >= restored[1], (steps, restored)
+    assert steps == [*range(1, k1 + 1), *range(restored[0] + 1, k2 + 1),
+                     *range(restored[1] + 1, cfg.max_steps + 1)], (steps, restored)
     first = {}
     for s, v in losses:
         if s in first:
