@@ -50,8 +50,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.objectives import (EVAL_MASK_OFFSET, _floats, _init_worker, _ints, backbone_weights, emit,  # noqa: E402
-                              find_artifacts, finetune_job, finetune_setup, load_sequences, model_config,
+from bench.objectives import (EVAL_MASK_OFFSET, _floats, _init_worker, _ints, backbone_weights,  # noqa: E402
+                              comma_choices, emit, find_artifacts, finetune_job, finetune_setup, load_sequences, model_config,
                               summarise_finetune)
 from stages.segment_pairs import NO_PAIR  # noqa: E402
 
@@ -81,7 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ft-seq-len", type=int, default=64)
     p.add_argument("--seeds", type=_ints, default=(0, 1, 2), help="fine-tuning seeds")
     p.add_argument("--seed", type=int, default=0, help="pretraining seed (init, data order, masks)")
-    p.add_argument("--variants", type=_variant_names, default=tuple(r["name"] for r in variants()),
+    names = tuple(r["name"] for r in variants())
+    p.add_argument("--variants", type=comma_choices(names, "variant"), default=names,
                    help="comma list of the runs to make (default: all 8), e.g. 'E + all-shared + SOP'")
     p.add_argument("--eval-every", type=int, default=500,
                    help="also validate every N pretraining steps (a learning curve in the JSON); 0 = at the end only")
@@ -102,16 +103,6 @@ def variants() -> list[dict[str, Any]]:
     """The 8 runs: every shape, without and with SOP."""
     return [{"name": name + (" + SOP" if sop else ""), "shape": name, "factorised": fact, "share_layers": share,
              "sop": sop} for sop in (False, True) for name, fact, share in SHAPES]
-
-
-def _variant_names(text: str) -> tuple[str, ...]:
-    known = [r["name"] for r in variants()]
-    names = tuple(x.strip() for x in text.split(",") if x.strip())
-    bad = [n for n in names if n not in known]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown variant {bad[0] if bad else '(none given)'!r}; use a comma list "
-                                         f"of: {', '.join(known)}")
-    return names
 
 
 def variant_model(base, run: dict[str, Any], embedding_size: int):

@@ -40,7 +40,7 @@ import multiprocessing as mp
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -62,20 +62,24 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(","))
 
 
-def _names(text: str) -> tuple[str, ...]:
-    names = tuple(x.strip() for x in text.split(",") if x.strip())
-    bad = [n for n in names if n not in OBJECTIVES]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown objective {bad[0] if bad else '(none given)'}; "
-                                         f"use a comma list of {', '.join(OBJECTIVES)}")
-    return names
+def comma_choices(known: Sequence[str], what: str):
+    """An argparse type: a comma list, each item one of `known` (one clear error naming the first that is not)."""
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(x.strip() for x in text.split(",") if x.strip())
+        bad = [n for n in names if n not in known]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {bad[0] if bad else '(none given)'!r}; "
+                                             f"use a comma list of: {', '.join(known)}")
+        return names
+
+    return parse
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.objectives", description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", type=Path, default=Path("/tmp/objbench/wd"), help="pipeline workdir with the "
                    "tokenize artifact (made there when missing)")
-    p.add_argument("--objectives", type=_names, default=OBJECTIVES)
+    p.add_argument("--objectives", type=comma_choices(OBJECTIVES, "objective"), default=OBJECTIVES)
     p.add_argument("--steps", type=int, default=800, help="MLM step budget S (the debug preset's 800 x 16); RTD "
                    "gets S*flops_mlm/flops_rtd")
     p.add_argument("--batch", type=int, default=16, help="sequences per pretraining step (all objectives)")
