@@ -45,9 +45,9 @@ WORKER = textwrap.dedent("""
 def _trim_heap() -> None:
     """Hand freed heap pages back between the training phases: keeps the test's footprint down on a shared machine
     (DeepSpeed's gathers in the forward pass leave ~0.8 GiB of free heap per rank); not part of what is measured."""
-    import ctypes
+    from cluster.engine import _heap_trimmer
 
-    ctypes.CDLL(None).malloc_trim(0)
+    _heap_trimmer()()
 
 
 def _step(engine, rank: int) -> float:
