@@ -14,8 +14,8 @@ so the data is equal and only the loss differs.
 The defaults train 3,000 steps at lr 2e-3 (the pretraining tests' rate; the debug preset's 5e-4 x 800 steps leaves
 the MLM near its unigram loss): sentence order leaves chance only after ~1,500 steps at this size.
 
-Pretraining: the pipeline's MLM (`stages.pretrain_objectives.build_model/make_masker/eval_sums/eval_metrics`) on a
-plain torch engine of `cluster.engine`, batches fed as the pretraining loop feeds them (`stages.pretrain_loop.
+Pretraining: the pipeline's MLM (`stages.pretrain.objectives.build_model/make_masker/eval_sums/eval_metrics`) on a
+plain torch engine of `training.engine`, batches fed as the pretraining loop feeds them (`stages.pretrain.loop.
 to_batch/forward`, `sop_labels` with SOP); `--steps` steps for every variant. The debug model (H = 64) would be
 widened by ALBERT's E = 128, so the debug runs use `--debug-embedding` (E = 32 by default, H/2, as E = 128 is
 H/12 at 1.5B). Validation: a seeded sample of the validation split (`--eval-batches` x `--batch` rows), MLM loss
@@ -24,7 +24,7 @@ followed by the document's first words: a cue of position, not of order) and on 
 
 Paper-size numbers (no training): parameters of each variant on the 1.5B shape (`pipeline.presets.MODEL_1_5B`,
 vocab 128,100) with E = 128, built on the meta device, and DeepSpeed's model-state memory per GPU for ZeRO-2 and
-ZeRO-3 on 16 nodes x 8 GPUs, as `stages/pretrain.py`'s dry run computes it.
+ZeRO-3 on 16 nodes x 8 GPUs, as `stages/pretrain/__init__.py`'s dry run computes it.
 
 Fine-tuning: each backbone on rotten-tomatoes with `stages.finetune.trial` (`trial_engine`, `run_epochs`) at one
 grid point x `--seeds`; a trial's score is its best epoch's dev accuracy; mean and sample std over seeds.
@@ -110,7 +110,7 @@ def variant_model(base, run: dict[str, Any], embedding_size: int):
 
 
 def pretrain_config(run: dict[str, Any], args):
-    from pipeline.config import PretrainConfig
+    from core.config import PretrainConfig
 
     return PretrainConfig(num_workers=1, micro_batch_size=args.batch, train_batch_size=args.batch, lr=args.lr,
                           warmup_steps=args.warmup, max_steps=args.steps, objective="mlm", sop=run["sop"],
@@ -172,7 +172,7 @@ def validation_sample(tok_dir: Path, rows: int, seed: int) -> tuple[np.ndarray, 
 
 def batch_of(ids: np.ndarray, labels: np.ndarray, sop: bool) -> dict:
     """The pretraining loop's batch (`to_batch`): with `sop_labels` only for SOP runs."""
-    from stages.pretrain_loop import to_batch
+    from stages.pretrain.loop import to_batch
     from stages.segment_pairs import SOP_COLUMN
 
     return to_batch({"input_ids": ids, SOP_COLUMN: labels} if sop else {"input_ids": ids})
@@ -185,8 +185,8 @@ def _validation(engine, masker, val, cfg, batch: int) -> dict[str, float]:
     pairs that open a document (where [CLS] is followed by the document's start when in order) and the rest."""
     import torch
 
-    from stages.pretrain_loop import forward
-    from stages.pretrain_objectives import eval_metrics, eval_sums
+    from stages.pretrain.loop import forward
+    from stages.pretrain.objectives import eval_metrics, eval_sums
 
     ids, labels, opens = val
     engine.eval()
@@ -217,8 +217,8 @@ def _train(engine, masker, train, cfg, steps: int, batch: int, every: int = 0,
     `validate()` every `every` steps (the learning curve; none when 0)."""
     import torch
 
-    from stages.pretrain_loop import forward
-    from stages.pretrain_objectives import finish_metrics, step_metrics, step_values
+    from stages.pretrain.loop import forward
+    from stages.pretrain.objectives import finish_metrics, step_metrics, step_values
 
     ids, labels = train
     rng = np.random.default_rng(cfg.seed)
@@ -240,10 +240,10 @@ def _train(engine, masker, train, cfg, steps: int, batch: int, every: int = 0,
 def pretrain_job(job: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from cluster.engine import build
-    from pipeline.tokenizer import Tokenizer
-    from stages.pretrain_loop import optim_spec
-    from stages.pretrain_objectives import build_model, make_masker
+    from training.engine import build
+    from core.tokenizer import Tokenizer
+    from stages.pretrain.loop import optim_spec
+    from stages.pretrain.objectives import build_model, make_masker
 
     args, run, model = job["args"], job["run"], job["model"]
     cfg = pretrain_config(run, args)
@@ -304,10 +304,10 @@ def paper_size(run: dict[str, Any]) -> dict[str, Any]:
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    from pipeline.config import PretrainConfig
+    from core.config import PretrainConfig
     from pipeline.presets import MODEL_1_5B
     from stages.base import model_config as deberta_config
-    from stages.pretrain_objectives import build_model, parameter_counts
+    from stages.pretrain.objectives import build_model, parameter_counts
 
     model = variant_model(deberta_config(MODEL_1_5B), run, PAPER_E)
     cfg = PretrainConfig(objective="mlm", sop=run["sop"])

@@ -25,7 +25,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.objectives import emit  # noqa: E402
-from pipeline.lineage import EXPERIMENT, default_tracking_uri  # noqa: E402
+from core.lineage import EXPERIMENT, default_tracking_uri  # noqa: E402
 
 
 def pipeline_argv(args: argparse.Namespace) -> list[str]:

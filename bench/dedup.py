@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.config import CorpusConfig
-from pipeline.datasets import materialize_corpus, site_packages_file
+from core.config import CorpusConfig
+from core.datasets import materialize_corpus, site_packages_file
 from stages import corpus
 from stages.corpus.minhash import MinHasher, band_keys, candidate_pairs, lsh_params, normalize
 

@@ -8,8 +8,8 @@ under `--workdir` (made by `pipeline.run --until tokenize` when missing; that st
 `unshare --net sh -c 'ip link set lo up && ...'` the first time) and its vocab artifact. Model: the debug shape
 (`pipeline.presets.MODEL_DEBUG`, embedding rows = tokenizer length padded to a multiple of 100).
 
-Pretraining (`stages.pretrain_objectives`: its `build_model`, `make_masker`, `train_flops_per_token`, `eval_sums`,
-`eval_metrics`, on a plain torch engine of `cluster.engine`): MLM gets `--steps` S; each RTD variant
+Pretraining (`stages.pretrain.objectives`: its `build_model`, `make_masker`, `train_flops_per_token`, `eval_sums`,
+`eval_metrics`, on a plain torch engine of `training.engine`): MLM gets `--steps` S; each RTD variant
 S * flops_mlm / flops_rtd steps of the same batch, so every run spends the same training FLOPs, the generator's
 included. Every run reads the same seeded stream of sequences (RTD a shorter prefix of it), from the same seed.
 `none` is the control: the backbone at initialisation, no pretraining.
@@ -116,7 +116,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def find_artifacts(workdir: Path) -> tuple[Path, Path] | None:
     """(tokenize artifact, its vocab artifact): the newest finished tokenize artifact under workdir, else None."""
-    from pipeline.artifacts import MANIFEST, SUCCESS
+    from core.artifacts import MANIFEST, SUCCESS
 
     root = workdir / "artifacts" / "tokenize"
     done = [p for p in root.glob("*") if (p / SUCCESS).is_file()] if root.is_dir() else []
@@ -159,7 +159,7 @@ def model_config(vocab_dir: Path):
     """The debug shape with embedding rows = the tokenizer's length padded to a multiple of 100."""
     from deberta.config import DebertaConfig
     from pipeline.presets import MODEL_DEBUG
-    from pipeline.tokenizer import Tokenizer
+    from core.tokenizer import Tokenizer
 
     tokenizer_len = len(Tokenizer.load(vocab_dir))
     return DebertaConfig.from_dict(MODEL_DEBUG.to_dict()).replace(vocab_size=math.ceil(tokenizer_len / 100) * 100)
@@ -167,7 +167,7 @@ def model_config(vocab_dir: Path):
 
 def pretrain_config(objective: str, steps: int, args):
     """The pipeline's PretrainConfig of one objective (one worker, no accumulation)."""
-    from pipeline.config import PretrainConfig
+    from core.config import PretrainConfig
 
     rtd = objective in ("gdes", "es", "nes")
     return PretrainConfig(num_workers=1, micro_batch_size=args.batch, train_batch_size=args.batch, lr=args.lr,
@@ -177,7 +177,7 @@ def pretrain_config(objective: str, steps: int, args):
 
 def plan_runs(args, model, seq_len: int) -> list[dict[str, Any]]:
     """Steps and FLOPs per objective: MLM S steps, RTD round(S * flops_mlm / flops_rtd), none 0."""
-    from stages.pretrain_objectives import train_flops_per_token
+    from stages.pretrain.objectives import train_flops_per_token
 
     tokens_per_step = args.batch * seq_len
     f_mlm = train_flops_per_token(pretrain_config("mlm", 1, args), model, seq_len)
@@ -268,7 +268,7 @@ def _validation(engine, masker, val: np.ndarray, cfg, batches: int, batch: int) 
     """The objective's validation numbers on fixed batches with fixed masks (and fixed RTD draws)."""
     import torch
 
-    from stages.pretrain_objectives import eval_metrics, eval_sums
+    from stages.pretrain.objectives import eval_metrics, eval_sums
 
     engine.eval()
     sums: list[float] = []
@@ -289,7 +289,7 @@ def _train(engine, masker, train: np.ndarray, cfg, steps: int, batch: int, log_e
     objective); returns the train-loss curve (means over `log_every` steps)."""
     import torch
 
-    from stages.pretrain_objectives import finish_metrics, step_metrics, step_values
+    from stages.pretrain.objectives import finish_metrics, step_metrics, step_values
 
     epochs = math.ceil(steps * batch / len(train)) if steps else 0
     rng = np.random.default_rng(cfg.seed)
@@ -314,10 +314,10 @@ def pretrain_job(job: dict[str, Any]) -> dict[str, Any]:
     """One objective's pretraining run in a worker process: engine, train, validate, embeddings, backbone."""
     import torch
 
-    from cluster.engine import build
-    from pipeline.tokenizer import Tokenizer
-    from stages.pretrain_loop import optim_spec
-    from stages.pretrain_objectives import build_model, make_masker
+    from training.engine import build
+    from core.tokenizer import Tokenizer
+    from stages.pretrain.loop import optim_spec
+    from stages.pretrain.objectives import build_model, make_masker
 
     args, run, objective = job["args"], job["run"], job["run"]["objective"]
     cfg = pretrain_config(objective, run["steps"], args)
@@ -363,8 +363,8 @@ def finetune_setup(args, model, vocab_dir: Path):
     """(TrialSetup, (train, dev) arrays, grid points, majority baseline, task) of rotten-tomatoes."""
     import itertools
 
-    from pipeline.config import FinetuneConfig
-    from pipeline.tokenizer import Tokenizer
+    from core.config import FinetuneConfig
+    from core.tokenizer import Tokenizer
     from stages.finetune.data import prepare_data
     from stages.finetune.tasks import majority_baseline, resolve_task
     from stages.finetune.trial import TrialSetup
@@ -491,7 +491,7 @@ def main(argv=None) -> int:
     started = time.time()
     import torch
 
-    from pipeline.tokenizer import Tokenizer
+    from core.tokenizer import Tokenizer
 
     torch.set_num_threads(1)  # the driver only waits; the cores belong to the workers
     tok_dir, vocab_dir = ensure_artifacts(args.workdir)

@@ -58,7 +58,7 @@ def pretrained_dir(args) -> Path:
         return target
     import shutil
 
-    from pipeline.datasets import materialize_corpus
+    from core.datasets import materialize_corpus
     from stages.finetune.tasks import resolve_task
     from bench.tiny_pretrained import build_tiny_pretrained
 
@@ -102,12 +102,12 @@ def main(argv=None) -> int:
     import ray
 
     from deberta import checkpoint
-    from pipeline.config import FinetuneConfig
+    from core.config import FinetuneConfig
     from stages.finetune import data as ft_data
     from stages.finetune import sweep as ft_sweep
     from stages.finetune.trial import TrialSetup
     from stages.finetune.tasks import majority_baseline, resolve_task
-    from pipeline.tokenizer import Tokenizer
+    from core.tokenizer import Tokenizer
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     pre = pretrained_dir(args)

@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cluster.engine import OptimSpec, build
+from training.engine import OptimSpec, build
 from deberta import checkpoint
 from deberta.config import debug, padded_vocab_size
 from deberta.model import DebertaForMaskedLM
-from pipeline.artifacts import Artifact
-from pipeline.config import VocabConfig
-from pipeline.tokenizer import MODEL_FILE, SPECIAL_FILE, Tokenizer
+from core.artifacts import Artifact
+from core.config import VocabConfig
+from core.tokenizer import MODEL_FILE, SPECIAL_FILE, Tokenizer
 from stages.vocab import train_model
 
 PIECES = 2_000

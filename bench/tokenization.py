@@ -36,10 +36,10 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.compute  # noqa: E402,F401  (pa.compute)
 import pyarrow.parquet as pq  # noqa: E402
 
-from pipeline.artifacts import Artifact  # noqa: E402
-from pipeline.config import TokenizeConfig, VocabConfig  # noqa: E402
-from pipeline.datasets import materialize_corpus  # noqa: E402
-from pipeline.tokenizer import Tokenizer  # noqa: E402
+from core.artifacts import Artifact  # noqa: E402
+from core.config import TokenizeConfig, VocabConfig  # noqa: E402
+from core.datasets import materialize_corpus  # noqa: E402
+from core.tokenizer import Tokenizer  # noqa: E402
 from stages import tokenize as tokenize_stage  # noqa: E402
 from stages import vocab as vocab_stage  # noqa: E402
 from stages.base import StageContext  # noqa: E402

@@ -1,6 +1,6 @@
 """Benchmark: one pretraining optimizer step on one GPU, the stage's DeepSpeed engine vs plain torch AMP.
 
-ours   the pipeline's engine (`cluster.engine.build`) with `cluster.deepspeed_config.build_deepspeed_config` for
+ours   the pipeline's engine (`training.engine.build`) with `training.deepspeed_config.build_deepspeed_config` for
        the preset's ZeRO stage (world size 1, bf16 weights, fp32 master copy in DeepSpeed's optimizer wrapper),
        client torch AdamW and linear schedule, DeepSpeed's gradient clipping.
 torch  what one writes without DeepSpeed: fp32 weights, `torch.autocast(bfloat16)`, fused torch AdamW,
@@ -43,10 +43,10 @@ def build_config(args: argparse.Namespace) -> DebertaConfig:
 
 
 def _deepspeed_step(args: argparse.Namespace, cfg: DebertaConfig):
-    from cluster.deepspeed_config import build_deepspeed_config
-    from cluster.engine import OptimSpec, build
+    from training.deepspeed_config import build_deepspeed_config
+    from training.engine import OptimSpec, build
     from deberta.model import DebertaForMaskedLM, init_weights
-    from pipeline.config import PretrainConfig
+    from core.config import PretrainConfig
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(args.port))
@@ -70,7 +70,7 @@ def _deepspeed_step(args: argparse.Namespace, cfg: DebertaConfig):
 
 def _torch_step(args: argparse.Namespace, cfg: DebertaConfig):
     from deberta.model import DebertaForMaskedLM
-    from pipeline.config import PretrainConfig
+    from core.config import PretrainConfig
 
     c = PretrainConfig()  # the same AdamW settings as the engine's
     torch.manual_seed(c.seed)

@@ -55,12 +55,12 @@ def main(argv=None) -> int:
     import ray
 
     from deberta import checkpoint
-    from pipeline.config import FinetuneConfig
+    from core.config import FinetuneConfig
     from stages.finetune import data as ft_data
     from stages.finetune import sweep as ft_sweep
     from stages.finetune.trial import TrialSetup
     from stages.finetune.tasks import resolve_task
-    from pipeline.tokenizer import Tokenizer
+    from core.tokenizer import Tokenizer
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     pre = pretrained_dir(args)

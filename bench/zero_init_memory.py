@@ -1,7 +1,7 @@
-"""Peak resident memory of a rank while it builds a ZeRO-3 model (`cluster.engine.construct`), then its engine.
+"""Peak resident memory of a rank while it builds a ZeRO-3 model (`training.engine.construct`), then its engine.
 
 Runs `--world` gloo ranks on this machine (CPU, fp32, the pipeline's own DeepSpeed config from
-`cluster.deepspeed_config.engine_config`). Each rank reports, per phase, the rise of its peak RSS over the RSS the
+`training.deepspeed_config.engine_config`). Each rank reports, per phase, the rise of its peak RSS over the RSS the
 phase started from (the kernel's high-water mark, VmHWM, is reset before each phase through /proc/self/clear_refs),
 its RSS after the phase, and its RSS after glibc's `malloc_trim(0)` (what the allocator kept but no longer uses);
 each phase starts trimmed, so its rise is its own:
@@ -88,7 +88,7 @@ class Phase:
 def _initialize(model, spec, ds_config):
     import deepspeed
 
-    from cluster.engine import make_optimizer
+    from training.engine import make_optimizer
 
     optimizer, scheduler = make_optimizer(model, spec)
     return deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)[0]
@@ -97,11 +97,11 @@ def _initialize(model, spec, ds_config):
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    from cluster.deepspeed_config import engine_config
-    from cluster.engine import OptimSpec, construct, init_distributed
+    from training.deepspeed_config import engine_config
+    from training.engine import OptimSpec, construct, init_distributed
 
     try:
-        from cluster.engine import deepspeed_engine
+        from training.engine import deepspeed_engine
     except ImportError:  # a checkout from before it existed (a before/after comparison): build's own steps
         deepspeed_engine = _initialize
     from deberta.config import DebertaConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from pipeline.config import RayConfig
+from core.config import RayConfig
 
 
 def connect(cfg: RayConfig) -> str:

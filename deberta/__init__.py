@@ -3,15 +3,10 @@
     from deberta import DebertaConfig, DebertaForMaskedLM, SpanMasker, debug
 """
 
-from deberta.config import (
-    DebertaConfig,
-    debug,
-    num_parameters,
-    padded_vocab_size,
-)
+from deberta.config import DebertaConfig, debug, padded_vocab_size
 from deberta.flops import train_flops_per_token
 from deberta.masking import SpanMasker, word_starts_from_pieces
-from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification, DebertaModel
+from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification, DebertaModel, num_parameters
 from deberta.sift import sift_loss
 
 __all__ = [

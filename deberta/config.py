@@ -11,8 +11,6 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-import torch
-
 ATTN_IMPLS = ("sdpa", "math")
 SHARE_LAYERS = ("none", "all", "attention", "ffn")
 """Cross-layer parameter sharing (ALBERT §3.1 and its Table 5 ablation): one set of weights for every layer
@@ -187,27 +185,3 @@ def debug(vocab_size: int = 1000, **overrides) -> DebertaConfig:
         conv_kernel_size=3,
     )
     return DebertaConfig(**{**base, **overrides})
-
-
-def num_parameters(cfg: DebertaConfig, model: str = "backbone") -> int:
-    """Parameter count, computed by building the model on the meta device (no memory is allocated).
-
-    model: "backbone" (`DebertaModel`, comparable to `transformers.DebertaV2Model`), "mlm"
-    (`DebertaForMaskedLM`: + LM head + the EMD's absolute position table; the decoder is tied), "mlm_sop"
-    (the same with ALBERT's sentence-order head) or "classification" (`DebertaForSequenceClassification` with two
-    labels). Shared layers (`share_layers`) count once.
-    """
-    from deberta import model as m  # local import: config must stay importable without building modules
-
-    builders = {
-        "backbone": lambda: m.DebertaModel(cfg),
-        "mlm": lambda: m.DebertaForMaskedLM(cfg),
-        "mlm_sop": lambda: m.DebertaForMaskedLM(cfg, sop=True),
-        "classification": lambda: m.DebertaForSequenceClassification(cfg, num_labels=2, classifier_dropout=0.0),
-    }
-    if model not in builders:
-        raise ValueError(f"num_parameters: model={model!r}; choose one of {sorted(builders)}")
-    with torch.device("meta"):
-        module = builders[model]()
-    # parameters() already de-duplicates tied tensors (the LM decoder is the word embedding, shared layers)
-    return sum(p.numel() for p in module.parameters())

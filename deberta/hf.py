@@ -39,7 +39,7 @@ _FIXED = {
     "hidden_act": "gelu",
     "type_vocab_size": 0,
 }
-# The vocab stage's files and id layout (pipeline/tokenizer.py; deberta/ may not import the pipeline).
+# The vocab stage's files and id layout (core/tokenizer.py; deberta/ may not import the pipeline).
 SPM_FILE, SPECIAL_FILE = "spm.model", "special_tokens.json"
 PAD, CLS, SEP, UNK, MASK = "[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"
 FIXED_IDS = {PAD: 0, CLS: 1, SEP: 2, UNK: 3}

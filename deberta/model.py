@@ -580,3 +580,25 @@ def unshared_state_dict(state: Mapping[str, torch.Tensor], cfg: DebertaConfig) -
         for depth in range(cfg.num_hidden_layers):
             out[f"{match.group(1)}{depth}.{match.group(2)}"] = tensor
     return out
+
+
+def num_parameters(cfg: DebertaConfig, model: str = "backbone") -> int:
+    """Parameter count, computed by building the model on the meta device (no memory is allocated).
+
+    model: "backbone" (`DebertaModel`, comparable to `transformers.DebertaV2Model`), "mlm"
+    (`DebertaForMaskedLM`: + LM head + the EMD's absolute position table; the decoder is tied), "mlm_sop"
+    (the same with ALBERT's sentence-order head) or "classification" (`DebertaForSequenceClassification` with two
+    labels). Shared layers (`share_layers`) count once.
+    """
+    builders = {
+        "backbone": lambda: DebertaModel(cfg),
+        "mlm": lambda: DebertaForMaskedLM(cfg),
+        "mlm_sop": lambda: DebertaForMaskedLM(cfg, sop=True),
+        "classification": lambda: DebertaForSequenceClassification(cfg, num_labels=2, classifier_dropout=0.0),
+    }
+    if model not in builders:
+        raise ValueError(f"num_parameters: model={model!r}; choose one of {sorted(builders)}")
+    with torch.device("meta"):
+        module = builders[model]()
+    # parameters() already de-duplicates tied tensors (the LM decoder is the word embedding, shared layers)
+    return sum(p.numel() for p in module.parameters())

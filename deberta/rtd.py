@@ -84,7 +84,7 @@ def rtd_init_weights(module: nn.Module, cfg: DebertaConfig) -> None:
     """Per-module init of an RTDPretrainer: `deberta.model.init_weights`, except that the GDES residual
     E_delta starts at zero. Under ZeRO-3 the model is built inside `deepspeed.zero.Init`, where the
     constructor's init runs on empty shards; pass `init_module=lambda m: rtd_init_weights(m, cfg)` to
-    `cluster.engine.build` (plain `init_weights` there would give E_delta a random start)."""
+    `training.engine.build` (plain `init_weights` there would give E_delta a random start)."""
     if getattr(module, GDES_RESIDUAL, False):
         nn.init.zeros_(module.weight)
     else:

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.artifacts import Artifact, ArtifactStore
-from pipeline.config import PipelineConfig, check_cluster
-from pipeline.lineage import TAG_STATUS, Lineage, Tracker
+from core.artifacts import Artifact, ArtifactStore
+from core.config import PipelineConfig, check_cluster
+from core.lineage import TAG_STATUS, Lineage, Tracker
 from pipeline.plan import PlannedStage
 
 
@@ -112,7 +112,8 @@ def execute(cfg: PipelineConfig, plan: list[PlannedStage], objects: dict[str, An
 
 def _run_stage(cfg: PipelineConfig, st: PlannedStage, refs: dict[str, Any], store: ArtifactStore,
                workdir: Path, tracker: Tracker, lineage_ids: dict[str, str], outcome: Outcome) -> bool:
-    from stages.base import StageContext, StageInputError
+    from core.errors import StageInputError
+    from stages.base import StageContext
 
     sections = [getattr(cfg, s) for s in st.spec.sections]
     ctx = StageContext(

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pipeline.artifacts import ArtifactStore, artifact_id, canonical_json
-from pipeline.config import PipelineConfig
+from core.artifacts import ArtifactStore, artifact_id, canonical_json
+from core.config import PipelineConfig
 from stages import corpus, finetune, pretrain, tokenize, vocab
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from pipeline.config import (CorpusConfig, FinetuneConfig, ModelConfig, PipelineConfig, PretrainConfig, RayConfig,
+from core.config import (CorpusConfig, FinetuneConfig, ModelConfig, PipelineConfig, PretrainConfig, RayConfig,
                              TokenizeConfig, VocabConfig)
 
 # Model shapes (SPEC.md). vocab_size is set per preset from its vocabulary (`_with_vocab`).

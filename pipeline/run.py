@@ -13,9 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.artifacts import ArtifactStore, artifact_id, file_digest
-from pipeline.config import ConfigError, PipelineConfig, apply_overrides, validate
-from pipeline.datasets import materialize_corpus
+from core.artifacts import ArtifactStore, artifact_id, file_digest
+from core.config import ConfigError, PipelineConfig, apply_overrides, validate
+from core.datasets import materialize_corpus
 from pipeline.plan import STAGES, PlannedStage, make_plan, stages_until
 from pipeline.presets import PRESETS
 
@@ -97,7 +97,7 @@ def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path
     stage; the built-in corpus by its content, so its id does not depend on where the workdir lives.
     """
     from stages import corpus
-    from stages.base import StageInputError
+    from core.errors import StageInputError
     from stages.finetune.data import resolve_init
     from stages.finetune.tasks import resolve_task
 
@@ -155,9 +155,9 @@ def from_checkpoint(args: argparse.Namespace, cfg: PipelineConfig, objects: dict
     tokenizer's size (then validated like any config)."""
     from sentencepiece import SentencePieceProcessor
 
-    from pipeline.config import ModelConfig
-    from pipeline.tokenizer import MODEL_FILE
-    from stages.base import StageInputError
+    from core.config import ModelConfig
+    from core.tokenizer import MODEL_FILE
+    from core.errors import StageInputError
     from stages.finetune.data import checkpoint_model_section
 
     try:

@@ -23,12 +23,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from deberta.config import DebertaConfig
-    from pipeline.config import ModelConfig
-    from pipeline.lineage import Tracker
-
-
-class StageInputError(RuntimeError):
-    """Bad input a user can fix (empty split, unreadable file, missing column): one clear message."""
+    from core.config import ModelConfig
+    from core.lineage import Tracker
 
 
 @dataclass(frozen=True)

@@ -47,14 +47,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from pipeline.tokenizer import Tokenizer
+from core.tokenizer import Tokenizer
 from stages.base import StageContext, StageResult
 from stages.segment_pairs import SOP_COLUMN, SentenceEnds, document_rng, segment_pairs
 from stages.vocab import SPLITS, split_files
 
 if TYPE_CHECKING:
-    from pipeline.artifacts import Artifact
-    from pipeline.config import TokenizeConfig
+    from core.artifacts import Artifact
+    from core.config import TokenizeConfig
 
 VERSION = "4"  # 4: segment pairs of whole sentences; 3: train split globally shuffled, doc_id column; 2: ...
 

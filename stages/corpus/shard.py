@@ -20,11 +20,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import xxhash
 
-from stages.base import StageInputError
+from core.errors import StageInputError
 from stages.corpus.dedup import find
 
 if TYPE_CHECKING:
-    from pipeline.config import CorpusConfig
+    from core.config import CorpusConfig
 
 SPLITS = ("train", "validation")
 SPLIT_SEED = 0x5EED

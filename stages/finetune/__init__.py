@@ -3,7 +3,7 @@
     tasks.py     built-in and GLUE-format tasks, their metrics
     data.py      the splits as token arrays; the checkpoint (ours, or `finetune.init`: an HF DeBERTa-v2 directory
                  or a registry version)
-    trial.py     one trial: `run_epochs` on a torch or DeepSpeed engine (`cluster.engine`)
+    trial.py     one trial: `run_epochs` on a torch or DeepSpeed engine (`training.engine`)
     sweep.py     the Tune grid, trials as nested MLflow runs, selection
     registry.py  the champion's model/ and hf/, the sweep plot, the registry entry
 
@@ -20,9 +20,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import FinetuneConfig, ModelConfig
-from pipeline.tokenizer import Tokenizer
-from stages.base import StageContext, StageInputError, StageResult, model_config
+from core.config import FinetuneConfig, ModelConfig
+from core.tokenizer import Tokenizer
+from core.errors import StageInputError
+from stages.base import StageContext, StageResult, model_config
 from stages.finetune.data import ExternalCheckpoint, load_pretrained, prepare_data
 from stages.finetune.registry import _jsonable, export_hf, plot_sweep, register_champion, save_model
 from stages.finetune.sweep import (GRID_KEYS, _trial_runs_callback, best_checkpoint, grid_size, pick_champion,

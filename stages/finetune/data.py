@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipeline.artifacts import Artifact
-from pipeline.tokenizer import MODEL_FILE, Tokenizer
-from stages.base import StageInputError
+from core.artifacts import Artifact
+from core.tokenizer import MODEL_FILE, Tokenizer
+from core.errors import StageInputError
 
 if TYPE_CHECKING:
     import torch
 
     from deberta.config import DebertaConfig
-    from pipeline.config import FinetuneConfig, ModelConfig
+    from core.config import FinetuneConfig, ModelConfig
     from stages.finetune.tasks import Split, TaskRef
 
 # architecture fields that must agree between the run's model config and the pretrained checkpoint
@@ -146,7 +146,7 @@ def resolve_init(init: str, workdir: Path) -> ExternalCheckpoint:
             raise StageInputError(f"{INIT_KEY}={init}: only local directories and registry URIs (models:/NAME/VERSION, "
                                   f"models:/NAME@ALIAS) are read; download the checkpoint first")
         return resolve_checkpoint(init)
-    from pipeline.lineage import download_registered_model
+    from core.lineage import download_registered_model
 
     try:
         export = download_registered_model(init, workdir)

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.tokenizer import MODEL_FILE, SPECIAL_FILE
+from core.tokenizer import MODEL_FILE, SPECIAL_FILE
 from stages.base import StageContext
 from stages.finetune.sweep import GRID_KEYS
 from stages.finetune.tasks import TaskRef
@@ -86,7 +86,7 @@ def export_hf(model_dir: Path, hf_dir: Path, task: TaskRef, dropout: float) -> N
 
 def register_champion(ctx: StageContext, out: Path, task: TaskRef, champion: dict, metric: str,
                       baseline: float, init: "ExternalCheckpoint | None" = None) -> str:
-    """Log model/ on the stage's run, hf/ as an MLflow Model (pipeline/hf_pyfunc.py: `mlflow.pyfunc.load_model`
+    """Log model/ on the stage's run, hf/ as an MLflow Model (core/hf_pyfunc.py: `mlflow.pyfunc.load_model`
     predicts from `sentence1` (+ `sentence2`), `mlflow models serve` serves it), and register that as
     deberta-<preset>-<task> @champion; returns the version. init: the external checkpoint it started from, named
     in the version's tags (`init`, `init_digest`)."""

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipeline.config import FinetuneConfig
+from core.config import FinetuneConfig
 from stages.finetune.data import Encoded
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ def _trial_runs_callback(parent, metric: str):
     """A Tune callback mirroring each trial as a nested MLflow run of the stage's run.
 
     Written here rather than Ray's MLflowLoggerCallback, which cannot nest under a run it did not start and
-    would import mlflow outside pipeline/lineage.py.
+    would import mlflow outside core/lineage.py.
     """
     from ray import tune
 

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from stages.base import StageInputError
+from core.errors import StageInputError
 
 CLASSIFICATION, REGRESSION = "classification", "regression"
 CLASSIFICATION_METRICS = ("accuracy", "f1", "mcc")
@@ -116,7 +116,7 @@ def resolve_task(spec: str, workdir: Path | None = None) -> TaskRef:
 # ----------------------------------------------------------------------------------------------- built-ins
 
 def _wheel_file(relative: str) -> Path:
-    from pipeline.datasets import site_packages_file
+    from core.datasets import site_packages_file
 
     try:
         return site_packages_file(relative)

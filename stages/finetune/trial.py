@@ -1,6 +1,6 @@
 """One fine-tuning trial: a grid point trained for `epochs`, reporting dev metrics once per epoch.
 
-One loop (`run_epochs`) runs on an engine of `cluster.engine`, whichever trainer the config names:
+One loop (`run_epochs`) runs on an engine of `training.engine`, whichever trainer the config names:
 
   torch      the trial is one process (`torch_trial`): plain torch on `cpus_per_trial` threads or one GPU.
   deepspeed  the trial is a Ray Train run of `workers_per_trial` DeepSpeed workers (`deepspeed_trial` starts a
@@ -11,7 +11,7 @@ One loop (`run_epochs`) runs on an engine of `cluster.engine`, whichever trainer
              gathered; an improving epoch's weights are gathered with `save_16bit_model`.
 
 Recipe (Table 9): AdamW (epsilon, betas, weight decay), linear warmup then linear decay to zero at `epochs`
-(`cluster.engine`'s schedule), gradient clipping, SiFT when enabled; a checkpoint whenever the dev metric improves.
+(`training.engine`'s schedule), gradient clipping, SiFT when enabled; a checkpoint whenever the dev metric improves.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from cluster.engine import Engine, OptimSpec, build
+from training.engine import Engine, OptimSpec, build
 from deberta import checkpoint
 from deberta.config import DebertaConfig
 from deberta.model import DebertaForSequenceClassification
 from deberta.sift import sift_loss
-from pipeline.config import FinetuneConfig
-from stages.base import StageInputError
+from core.config import FinetuneConfig
+from core.errors import StageInputError
 from stages.finetune.data import Encoded
 from stages.finetune.tasks import CLASSIFICATION, compute_metrics
 
@@ -66,7 +66,7 @@ def build_classifier(setup: TrialSetup, config: dict[str, Any]) -> DebertaForSeq
 
 def trial_engine(setup: TrialSetup, config: dict[str, Any], weights: dict[str, torch.Tensor], spec: OptimSpec,
                  **engine_kw) -> Engine:
-    """The classifier with the pretrained backbone (checked key for key) inside `cluster.engine`'s engine."""
+    """The classifier with the pretrained backbone (checked key for key) inside `training.engine`'s engine."""
     from deberta.model import init_weights
 
     with torch.device("meta"):  # the key check, without building the model twice
@@ -209,7 +209,7 @@ def deepspeed_worker(loop_config: dict[str, Any]) -> None:
     import ray
     import ray.train
 
-    from cluster.deepspeed_config import build_finetune_config
+    from training.deepspeed_config import build_finetune_config
 
     config, setup, payload = loop_config["grid"], loop_config["setup"], loop_config["payload"]
     ft = setup.ft

@@ -17,9 +17,10 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from pipeline.config import CorpusConfig
+from core.config import CorpusConfig
 from stages import corpus
-from stages.base import StageContext, StageInputError
+from core.errors import StageInputError
+from stages.base import StageContext
 from stages.corpus.ingest import list_sources, read_file
 from stages.corpus.minhash import jaccard, normalize, shingle_set
 

@@ -1,6 +1,6 @@
 """The finetune stage on real tasks and a tiny real pretrained checkpoint: Tune sweep, SiFT, registry, errors.
 
-The checkpoint is built in-process, not by stages/pretrain.py (`bench.tiny_pretrained`): a SentencePiece model (2k
+The checkpoint is built in-process, not by stages/pretrain/__init__.py (`bench.tiny_pretrained`): a SentencePiece model (2k
 pieces) trained with the vocab stage's trainer on real review and news text, then a `deberta.config.debug()` MLM
 trained for a few hundred plain-torch steps on the same text, saved in the pretrain artifact's layout.
 """
@@ -17,18 +17,19 @@ import torch
 
 from deberta import checkpoint
 from deberta.model import DebertaForSequenceClassification
-from pipeline.artifacts import Artifact
-from pipeline.config import FinetuneConfig
+from core.artifacts import Artifact
+from core.config import FinetuneConfig
 from pipeline.presets import GRID_1_5B, GRID_BASE, GRID_LARGE, PRESETS
 from bench.tiny_pretrained import build_tiny_pretrained
-from cluster.engine import OptimSpec, make_optimizer
+from training.engine import OptimSpec, make_optimizer
 from stages import finetune
 from stages.finetune import data as ft_data
 from stages.finetune import sweep as ft_sweep
 from stages.finetune import trial as ft_trial
-from stages.base import StageContext, StageInputError
+from core.errors import StageInputError
+from stages.base import StageContext
 from stages.finetune.tasks import resolve_task
-from pipeline.tokenizer import Tokenizer
+from core.tokenizer import Tokenizer
 from tests.integration.mlflow_serve import serve_once
 
 SEQ = 64
@@ -113,7 +114,7 @@ def test_sweep_beats_baseline_and_registers_champion(pretrained, ray_local, mlfl
                                                     capsys):
     from mlflow.tracking import MlflowClient
 
-    from pipeline.lineage import Lineage
+    from core.lineage import Lineage
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     lineage = Lineage(tmp_path)
@@ -350,7 +351,7 @@ def test_deepspeed_sweep_zero3_two_workers_with_sift(pretrained, ray_local, mlfl
     weights gathered from the ZeRO-3 shards are the model that scored the reported dev accuracy."""
     from mlflow.tracking import MlflowClient
 
-    from pipeline.lineage import Lineage
+    from core.lineage import Lineage
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     lineage = Lineage(tmp_path)

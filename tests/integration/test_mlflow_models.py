@@ -1,4 +1,4 @@
-"""Registry versions are MLflow Models: tiny exports logged as pipeline/hf_pyfunc.py models on a real `mlflow server`,
+"""Registry versions are MLflow Models: tiny exports logged as core/hf_pyfunc.py models on a real `mlflow server`,
 registered with an alias, loaded back by `mlflow.pyfunc.load_model("models:/<name>@<alias>")`, served once by
 `mlflow models serve --env-manager local`, and fine-tuned from (`finetune.init=models:/...`, up to the plan). Run
 inside the loopback-only namespace: nothing can reach a hub.
@@ -25,9 +25,9 @@ import torch
 from deberta import hf
 from deberta.config import debug
 from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification, DebertaModel
-from pipeline.config import VocabConfig
-from pipeline.lineage import EXPERIMENT_KIND, TAG_EXPERIMENT_KIND, Lineage
-from pipeline.tokenizer import MODEL_FILE, SPECIAL_FILE, Tokenizer
+from core.config import VocabConfig
+from core.lineage import EXPERIMENT_KIND, TAG_EXPERIMENT_KIND, Lineage
+from core.tokenizer import MODEL_FILE, SPECIAL_FILE, Tokenizer
 from stages.vocab import train_model
 from tests.integration.mlflow_serve import serve_once
 

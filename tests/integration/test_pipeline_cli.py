@@ -178,8 +178,8 @@ def hf_deberta(small_corpus, tmp_path_factory) -> Path:
     from deberta import hf
     from deberta.config import debug, padded_vocab_size
     from deberta.model import DebertaForMaskedLM
-    from pipeline.config import VocabConfig
-    from pipeline.tokenizer import MODEL_FILE, SPECIAL_FILE, Tokenizer
+    from core.config import VocabConfig
+    from core.tokenizer import MODEL_FILE, SPECIAL_FILE, Tokenizer
     from stages.vocab import train_model
 
     root = tmp_path_factory.mktemp("hf")

@@ -28,8 +28,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from deberta import config as model_presets
-from pipeline.artifacts import Artifact, ArtifactStore
-from pipeline.config import PretrainConfig, TokenizeConfig, VocabConfig
+from core.artifacts import Artifact, ArtifactStore
+from core.config import PretrainConfig, TokenizeConfig, VocabConfig
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -218,7 +218,7 @@ def workdir() -> Path:
 
 @pytest.fixture(scope="module")
 def lineage(mlflow_server, workdir):
-    from pipeline.lineage import Lineage
+    from core.lineage import Lineage
 
     old = os.environ.get("MLFLOW_TRACKING_URI")
     os.environ["MLFLOW_TRACKING_URI"] = mlflow_server
@@ -264,7 +264,7 @@ def tokens(ray_cluster_2_nodes, corpus, workdir, lineage, tmp_path_factory) -> d
 
 @pytest.fixture(scope="module")
 def model_cfg(tokens):
-    from pipeline.tokenizer import Tokenizer
+    from core.tokenizer import Tokenizer
 
     tok = Tokenizer.load(tokens["vocab"].path)
     return model_presets.debug(vocab_size=model_presets.padded_vocab_size(len(tok)), max_position_embeddings=SEQ_LEN)
@@ -376,7 +376,7 @@ def test_zero2_two_nodes_mlflow_registry(ray_cluster_2_nodes, tokens, model_cfg,
     assert mv.run_id == tracker.run_id
     files = {f.path for f in tracker.client.list_artifacts(tracker.run_id, "model")}
     assert files == {"model/config.json", "model/model.pt"}
-    assert mv.source.startswith("models:/")  # an MLflow Model (pipeline/hf_pyfunc.py) over hf/
+    assert mv.source.startswith("models:/")  # an MLflow Model (core/hf_pyfunc.py) over hf/
     print(f"\nZeRO-2, 2 nodes: {BASE.max_steps} steps in {time.time() - started:.0f}s, "
           f"median {metrics['tokens_per_s']:,.0f} tokens/s, val loss {metrics['initial_val_loss']:.2f} -> "
           f"{metrics['val_loss']:.2f}")
@@ -494,7 +494,7 @@ def test_albert_options_train_and_fine_tune(ray_cluster_2_nodes, tokens, model_c
     and measured every step and on validation, the HF export is the unshared copy, and the fine-tuning stage starts
     from the artifact. SOP accuracy is not asserted above chance: 120 steps are far too few (bench.albert: the
     debug model leaves chance on sentence order after ~1,500 steps of 16 x 128 tokens at this lr)."""
-    from pipeline.config import FinetuneConfig
+    from core.config import FinetuneConfig
     from stages.finetune.tasks import resolve_task
 
     albert = model_cfg.replace(embedding_size=128, share_layers="all")

@@ -12,12 +12,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.artifacts import ArtifactStore
-from pipeline.config import TokenizeConfig, VocabConfig
-from pipeline.tokenizer import Tokenizer
+from core.artifacts import ArtifactStore
+from core.config import TokenizeConfig, VocabConfig
+from core.tokenizer import Tokenizer
 from stages import tokenize as tokenize_stage
 from stages import vocab as vocab_stage
-from stages.base import StageContext, StageInputError
+from core.errors import StageInputError
+from stages.base import StageContext
 
 TRAIN_DOCS, VALIDATION_DOCS = 360, 40
 VOCAB = VocabConfig(vocab_size=1_000, sample_documents=300, num_threads=2)
@@ -48,7 +49,7 @@ def store(workdir) -> ArtifactStore:
 
 @pytest.fixture(scope="module")
 def module_tracker(workdir):
-    from pipeline.lineage import Lineage
+    from core.lineage import Lineage
 
     return Lineage(workdir).start("test", {"preset": "test"}, ["vocab", "tokenize"])
 
@@ -196,7 +197,7 @@ def test_two_sources_in_sorted_order_are_mixed_in_every_window(store, workdir, m
     (2 workers, its epoch order) with each source's share within 5 points of its overall share in every window
     of 5% of the sequences; without the tokenize shuffle the same corpus is sorted by source. Epoch 2 differs."""
     from stages.finetune.tasks import rotten_tomatoes
-    from stages.pretrain_data import batches_per_epoch, blocks, mixing_deviation, sequence_order
+    from stages.pretrain.data import batches_per_epoch, blocks, mixing_deviation, sequence_order
 
     news = [json.loads(line)["text"] for line in open(news_jsonl)][:1200]
     reviews = rotten_tomatoes().train.text_a[:6000]
@@ -325,7 +326,7 @@ def test_corrupted_model_is_one_clear_message(vocab, tmp_path):
 
 
 def test_tokenize_rejects_corrupt_vocab_before_any_work(store, workdir, module_tracker, corpus, vocab, tmp_path):
-    from pipeline.artifacts import Artifact
+    from core.artifacts import Artifact
 
     broken = tmp_path / "vocab"
     shutil.copytree(vocab[0].path, broken)

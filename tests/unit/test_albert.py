@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deberta.config import DebertaConfig, debug, num_parameters
+from deberta.config import DebertaConfig, debug
 from deberta.flops import forward_flops_per_token, reachable_rows, rtd_forward_flops_per_token, train_flops_per_token
-from deberta.model import (DebertaForMaskedLM, DebertaForSequenceClassification, DebertaModel, init_weights,
+from deberta.model import (DebertaForMaskedLM, DebertaForSequenceClassification, DebertaModel, init_weights, num_parameters,
                            unshared_state_dict)
 from deberta.rtd import RTDPretrainer
 
@@ -263,7 +263,7 @@ def test_shared_blocks_are_one_module_object():
 
 
 def test_per_module_init_and_copies_reach_borrowed_blocks():
-    """cluster.engine.build re-initialises ZeRO-3 models module by module through `init_weights`: every module it
+    """training.engine.build re-initialises ZeRO-3 models module by module through `init_weights`: every module it
     initialises (Linear, Embedding, LayerNorm: embed_proj, the SOP head, shared blocks) must be reached, each once."""
     cfg = debug(embedding_size=32, share_layers="attention")
     model = DebertaForMaskedLM(cfg, sop=True)
@@ -405,8 +405,8 @@ def test_sop_loss_and_accuracy_come_from_the_head():
 def test_logged_sop_accuracy_weighs_micro_batches_by_their_pairs():
     """The loop averages each step metric over micro-batches and workers; SOP accuracy is taken from the averaged
     counts, so a micro-batch whose rows hold no sentence pair (all sop_label -100) does not count as 0% correct."""
-    from pipeline.config import PretrainConfig
-    from stages import pretrain_objectives as objectives
+    from core.config import PretrainConfig
+    from stages.pretrain import objectives as objectives
 
     cfg = debug()
     torch.manual_seed(0)
@@ -477,14 +477,14 @@ def test_tiny_albert_learns_sentence_order(flush_denormals):
 
 
 def test_pipeline_path_memorises_the_order_of_a_few_pairs(flush_denormals):
-    """The pretraining loop's own path (objectives.build_model and make_masker, cluster.engine's AdamW with clipping
-    and decay, pretrain_loop.to_batch/forward) on 16 rows whose labels are random: only a gradient that reaches
+    """The pretraining loop's own path (objectives.build_model and make_masker, training.engine's AdamW with clipping
+    and decay, loop.to_batch/forward) on 16 rows whose labels are random: only a gradient that reaches
     the SOP head through [CLS] can fit them, and it does - 100% SOP accuracy under fresh masks (E = 128 > H = 64,
     every layer shared: the e2e test's model)."""
-    from cluster.engine import build
-    from pipeline.config import PretrainConfig
-    from stages import pretrain_objectives as objectives
-    from stages.pretrain_loop import forward, optim_spec, to_batch
+    from training.engine import build
+    from core.config import PretrainConfig
+    from stages.pretrain import objectives as objectives
+    from stages.pretrain.loop import forward, optim_spec, to_batch
 
     cfg = PretrainConfig(num_workers=1, micro_batch_size=16, train_batch_size=16, lr=2e-3, warmup_steps=5,
                          max_steps=80, sop=True)
@@ -599,11 +599,11 @@ def _zero3_train(model, opt, engine=None, steps: int = 3) -> list[float]:
 
 
 def zero3_run(share: str, out: str) -> None:
-    """One rank, the model built by `cluster.engine.construct` under ZeRO-3 (zero.Init, then `init_weights` per
+    """One rank, the model built by `training.engine.construct` under ZeRO-3 (zero.Init, then `init_weights` per
     module on gathered parameters); saves the initial and trained weights (gathered) and the losses."""
     import deepspeed
 
-    from cluster.engine import construct, init_distributed
+    from training.engine import construct, init_distributed
 
     init_distributed("gloo")
     cfg = ZERO3_CFG[share]

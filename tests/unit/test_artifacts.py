@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from pipeline.artifacts import SUCCESS, ArtifactStore, artifact_id
+from core.artifacts import SUCCESS, ArtifactStore, artifact_id
 from pipeline.plan import STAGES
 from pipeline.presets import PRESETS
 

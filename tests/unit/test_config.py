@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from pipeline.config import ConfigError, apply_overrides, check_cluster, validate
+from core.config import ConfigError, apply_overrides, check_cluster, validate
 from pipeline.presets import GRID_1_5B, GRID_BASE, GRID_LARGE, PRESETS
 
 
@@ -147,7 +147,7 @@ def test_every_stage_enforced_bound_is_checked_up_front(item, fragment):
 def test_model_section_mirrors_the_model_library():
     """The [model] section is plain data with exactly DebertaConfig's fields and defaults."""
     from deberta.config import DebertaConfig
-    from pipeline.config import ModelConfig
+    from core.config import ModelConfig
 
     ours = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
     theirs = {f.name: f.default for f in dataclasses.fields(DebertaConfig)}

@@ -8,13 +8,13 @@ import dataclasses
 import pytest
 import torch
 
-from cluster.deepspeed_config import build_deepspeed_config
+from training.deepspeed_config import build_deepspeed_config
 from deberta import checkpoint
 from deberta.config import debug
 from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification
-from pipeline.config import PretrainConfig
+from core.config import PretrainConfig
 from pipeline.presets import deberta_1_5b
-from stages.base import StageInputError
+from core.errors import StageInputError
 from stages.pretrain import check_inputs, dry_run
 
 CFG = PretrainConfig(num_workers=2, micro_batch_size=8, train_batch_size=32, lr=1e-3, warmup_steps=10, max_steps=100)
@@ -26,7 +26,7 @@ def test_batch_arithmetic_precision_and_no_scheduler_section():
     assert ds["gradient_accumulation_steps"] == 2
     assert ds["gradient_clipping"] == 1.0 and ds["zero_optimization"]["stage"] == 2
     assert ds["bf16"]["enabled"] is False
-    assert "optimizer" not in ds and "scheduler" not in ds  # client AdamW and schedule (cluster.engine)
+    assert "optimizer" not in ds and "scheduler" not in ds  # client AdamW and schedule (training.engine)
     gpu = build_deepspeed_config(dataclasses.replace(CFG, zero_stage=3), world_size=2, use_gpu=True)
     assert gpu["bf16"]["enabled"] is True and gpu["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
 
@@ -61,8 +61,8 @@ def test_pretraining_schedule_is_the_reference_linear_one_in_deepspeed():
     schedule is the reference formula at every probed step, through a real (gloo, ZeRO-2) DeepSpeed engine."""
     import os
 
-    from cluster.engine import build
-    from stages.pretrain_loop import optim_spec
+    from training.engine import build
+    from stages.pretrain.loop import optim_spec
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
     cfg = PretrainConfig(num_workers=1, micro_batch_size=1, train_batch_size=1, lr=1e-3, warmup_steps=5, max_steps=12)
@@ -76,8 +76,8 @@ def test_pretraining_schedule_is_the_reference_linear_one_in_deepspeed():
 
 def test_finetuning_schedule_is_the_same_formula():
     from stages.finetune.trial import optim_spec, steps_per_epoch
-    from cluster.engine import build
-    from pipeline.config import FinetuneConfig
+    from training.engine import build
+    from core.config import FinetuneConfig
 
     ft = FinetuneConfig(epochs=2)
     grid = {"lr": 2e-5, "warmup_steps": 3, "batch_size": 4, "seed": 0}
@@ -90,7 +90,7 @@ def test_finetuning_schedule_is_the_same_formula():
 
 
 def test_one_weight_decay_rule():
-    from cluster.engine import param_groups
+    from training.engine import param_groups
 
     model = DebertaForMaskedLM(debug(vocab_size=300, num_hidden_layers=1))
     decay, no_decay = param_groups(model, 0.01)
@@ -149,7 +149,7 @@ def test_checkpoint_mismatch_is_one_clear_error(tmp_path):
 
 
 def test_finetune_config_splits_the_batch_and_keeps_the_client_schedule():
-    from cluster.deepspeed_config import build_finetune_config
+    from training.deepspeed_config import build_finetune_config
 
     ds = build_finetune_config(grad_clip=0.5, zero_stage=3, use_gpu=False, batch_size=48, world_size=8)
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (48, 6, 1)

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from deberta import hf
-from deberta.config import DebertaConfig, debug, num_parameters
-from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification, DebertaModel
-from pipeline.config import VocabConfig
+from deberta.config import DebertaConfig, debug
+from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification, DebertaModel, num_parameters
+from core.config import VocabConfig
 from pipeline.presets import MODELS
-from pipeline.tokenizer import MODEL_FILE, SPECIAL_FILE, Tokenizer
+from core.tokenizer import MODEL_FILE, SPECIAL_FILE, Tokenizer
 from stages.vocab import train_model
 
 tf = pytest.importorskip("transformers")

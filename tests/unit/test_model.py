@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from deberta.attention import log_bucket_position, relative_index
-from deberta.config import DebertaConfig, debug, num_parameters, padded_vocab_size
+from deberta.config import DebertaConfig, debug, padded_vocab_size
 from pipeline.presets import MODELS
 
 PRESETS = {name: (lambda m=m: DebertaConfig.from_dict(m.to_dict())) for name, m in MODELS.items()}
 """The pipeline presets' shapes as model configs."""
 from deberta.flops import forward_flops_per_token, reachable_rows, train_flops_per_token
-from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification, DebertaModel
+from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification, DebertaModel, num_parameters
 
 CONFIGS = {
     "1.5b-like": debug(),

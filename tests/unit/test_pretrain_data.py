@@ -1,4 +1,4 @@
-"""The pretraining data order (`stages.pretrain_data`) on real Parquet files whose rows carry their own index."""
+"""The pretraining data order (`stages.pretrain.data`) on real Parquet files whose rows carry their own index."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stages import pretrain_data as data
-from stages.pretrain_loop import numpy_columns
+from stages.pretrain import data as data
+from stages.pretrain.loop import numpy_columns
 
 MICRO, BUFFER, WORLD = 8, 300, 2
 

@@ -301,12 +301,12 @@ def _train(model, opt, engine=None, steps: int = 3) -> list[float]:
 
 
 def zero3_run(sharing: str, out: str) -> None:
-    """One rank, the model built by `cluster.engine.construct` under ZeRO-3: inside zero.Init (every tensor
+    """One rank, the model built by `training.engine.construct` under ZeRO-3: inside zero.Init (every tensor
     partitioned from the start), then `rtd_init_weights` per module on gathered parameters. Saves the initial and
     trained weights (gathered) and the losses."""
     import deepspeed
 
-    from cluster.engine import construct, init_distributed
+    from training.engine import construct, init_distributed
 
     init_distributed("gloo")
     ds_config = {"train_batch_size": 8 * int(os.environ["WORLD_SIZE"]), "train_micro_batch_size_per_gpu": 8,
@@ -333,7 +333,7 @@ def zero3_run(sharing: str, out: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("sharing", ["gdes", "es"])
 def test_zero3_engine_matches_plain_torch(sharing, tmp_path):
-    """Two gloo ranks, ZeRO-3 built as `cluster.engine.build` does (zero.Init, re-init per module): E_delta starts
+    """Two gloo ranks, ZeRO-3 built as `training.engine.build` does (zero.Init, re-init per module): E_delta starts
     at zero, and three steps give plain torch's losses and merged discriminator from the same initial weights."""
     pytest.importorskip("deepspeed")
     from tests.conftest import run_gloo_ranks

@@ -159,12 +159,12 @@ def _check_aligned(batch) -> int:
 
 
 def test_labels_stay_with_their_rows_through_the_pretraining_reader(tmp_path):
-    """The pretraining loop's reading (stages.pretrain_data blocks and shuffle windows -> numpy_columns -> to_batch,
+    """The pretraining loop's reading (stages.pretrain.data blocks and shuffle windows -> numpy_columns -> to_batch,
     and the validation sample) hands every row its own sop_label."""
     from deberta.config import debug
-    from pipeline.config import PretrainConfig
-    from stages import pretrain_data as data
-    from stages.pretrain_loop import LoopJob, numpy_columns, shard_columns, to_batch, validation_batches
+    from core.config import PretrainConfig
+    from stages.pretrain import data as data
+    from stages.pretrain.loop import LoopJob, numpy_columns, shard_columns, to_batch, validation_batches
 
     files, total = _coded_shards(tmp_path)
     cfg = PretrainConfig(num_workers=2, micro_batch_size=8, train_batch_size=16, sop=True, shuffle_buffer=300,

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stages.base import StageInputError
+from core.errors import StageInputError
 from stages.finetune.tasks import (accuracy, compute_metrics, f1, majority_baseline, matthews_corr, pearson, rankdata,
                           resolve_task, spearman)
 
@@ -56,7 +56,7 @@ def test_correlations_match_scipy():
 def test_rotten_tomatoes_is_deterministic_and_grouped_by_movie():
     import pandas as pd
 
-    from pipeline.datasets import site_packages_file
+    from core.datasets import site_packages_file
     from stages.finetune import tasks
 
     task = resolve_task("rotten-tomatoes")

@@ -1,6 +1,6 @@
-"""ZeRO-3 construction (`cluster.engine.construct` inside `deepspeed.zero.Init`, issue 15): on 2 CPU gloo ranks a
+"""ZeRO-3 construction (`training.engine.construct` inside `deepspeed.zero.Init`, issue 15): on 2 CPU gloo ranks a
 rank that builds a model of >= 300M parameters never holds the whole model, and the run still trains (one AdamW
-step through `cluster.engine.deepspeed_engine`, the engine `build` makes). That such a run's ZeRO-3 checkpoint
+step through `training.engine.deepspeed_engine`, the engine `build` makes). That such a run's ZeRO-3 checkpoint
 consolidates into the full model is the pretraining stage's own test
 (tests/integration/test_pretrain.py::test_zero3_survives_worker_loss_and_stage_restart)."""
 
@@ -45,7 +45,7 @@ WORKER = textwrap.dedent("""
 def _trim_heap() -> None:
     """Hand freed heap pages back between the training phases: keeps the test's footprint down on a shared machine
     (DeepSpeed's gathers in the forward pass leave ~0.8 GiB of free heap per rank); not part of what is measured."""
-    from cluster.engine import _heap_trimmer
+    from training.engine import _heap_trimmer
 
     _heap_trimmer()()
 
@@ -69,8 +69,8 @@ def zero_init_run(out: str) -> None:
     import deepspeed
 
     from bench import memory
-    from cluster.deepspeed_config import engine_config
-    from cluster.engine import OptimSpec, construct, deepspeed_engine, init_distributed
+    from training.deepspeed_config import engine_config
+    from training.engine import OptimSpec, construct, deepspeed_engine, init_distributed
 
     init_distributed("gloo")
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])

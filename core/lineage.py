@@ -6,7 +6,7 @@ MLflow datasets with digests, so any registered model can be walked back to the 
 `Tracker` wraps one run by id (no global "active run"), so it pickles into Ray workers.
 
 Registry versions are MLflow Models: `Tracker.log_hf_model` logs a `deberta.hf` export directory as a pyfunc
-(pipeline/hf_pyfunc.py, "models from code": why not the `transformers` flavor is said there) in an MLflow 3 logged
+(core/hf_pyfunc.py, "models from code": why not the `transformers` flavor is said there) in an MLflow 3 logged
 model linked to the run, and `register_model` registers that. `download_registered_model` brings a version's export
 back to disk (`finetune.init=models:/NAME/VERSION`).
 """
@@ -35,7 +35,7 @@ TAG_STATUS = "pipeline.status"
 # MLflow 3.17's UI opens an experiment by this tag: "custom_model_development" -> the Runs tab of the "Machine
 # learning" workflow. Untagged, the page keeps the sidebar's workflow, which defaults to GenAI (traces).
 TAG_EXPERIMENT_KIND, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
-# task -> the input columns a logged model may take (pipeline/hf_pyfunc.py): a classifier reads a task's sentence
+# task -> the input columns a logged model may take (core/hf_pyfunc.py): a classifier reads a task's sentence
 # columns (sentence2 only for pair tasks), the encoders a `text` (fill-mask: with [MASK]).
 HF_TASKS = {"text-classification": (("sentence1",), ("sentence1", "sentence2")),
             "fill-mask": (("text",),), "feature-extraction": (("text",),)}
@@ -86,7 +86,7 @@ def _tracking_uri(uri: str):
 
 
 def _hf_signature(task: str, columns: list[str], hf_dir: Path):
-    """Inputs: the example's string columns; outputs as pipeline/hf_pyfunc.py answers for the task (a regression
+    """Inputs: the example's string columns; outputs as core/hf_pyfunc.py answers for the task (a regression
     head, problem_type "regression" in its config.json: the score alone)."""
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, DataType, Schema
@@ -157,7 +157,7 @@ class Tracker:
 
     def log_hf_model(self, hf_dir: Path | str, *, task: str, input_example, name: str = "model",
                      tags: dict[str, Any] | None = None) -> str:
-        """Log an HF directory (`deberta.hf.save_pretrained`) as an MLflow Model - pipeline/hf_pyfunc.py over the
+        """Log an HF directory (`deberta.hf.save_pretrained`) as an MLflow Model - core/hf_pyfunc.py over the
         directory, kept whole as the model's artifact `hf` - in an MLflow 3 logged model of this run's experiment
         whose source run is this one. Returns its URI, `models:/<model_id>`, for `register_model(model_uri=...)`.
 
@@ -215,7 +215,7 @@ class Tracker:
 
 
 def _log_pyfunc_model(tracking_uri: str, run_id: str, model_id: str, hf_dir: Path, task: str, example) -> None:
-    """Fill logged model `model_id` with pipeline/hf_pyfunc.py over the HF directory."""
+    """Fill logged model `model_id` with core/hf_pyfunc.py over the HF directory."""
     import tempfile
 
     from mlflow.models import Model
@@ -308,7 +308,7 @@ class RegistrySource(DatasetSource):
         return "mlflow_registry"
 
     def load(self, **kwargs):
-        raise NotImplementedError("download it with pipeline.lineage.download_registered_model")
+        raise NotImplementedError("download it with core.lineage.download_registered_model")
 
     @staticmethod
     def _can_resolve(raw_source) -> bool:

@@ -2,8 +2,8 @@
 
 Driver side (this module): check the config and inputs before any worker starts, run the trainer, then
 turn its last checkpoint into the artifact and register it in MLflow. The per-worker loop (DeepSpeed
-engine, span masking, eval, checkpoints) is `stages/pretrain_loop.py`; the order it reads the tokenised
-shards in is `stages/pretrain_data.py`; the DeepSpeed JSON comes from `cluster/deepspeed_config.py`.
+engine, span masking, eval, checkpoints) is `stages/pretrain/loop.py`; the order it reads the tokenised
+shards in is `stages/pretrain/data.py`; the DeepSpeed JSON comes from `training/deepspeed_config.py`.
 
 Recovery. Every `ckpt_interval` steps each worker saves its DeepSpeed shard and all of them report one
 Ray Train checkpoint (model, optimizer, scheduler, data position). A lost worker: Ray Train restarts the
@@ -36,15 +36,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow.parquet as pq
 
-from cluster.deepspeed_config import build_deepspeed_config
-from pipeline.artifacts import Artifact
-from pipeline.config import ModelConfig, PretrainConfig
-from pipeline.tokenizer import Tokenizer
-from stages.base import StageContext, StageInputError, StageResult, model_config
+from training.deepspeed_config import build_deepspeed_config
+from core.artifacts import Artifact
+from core.config import ModelConfig, PretrainConfig
+from core.tokenizer import Tokenizer
+from core.errors import StageInputError
+from stages.base import StageContext, StageResult, model_config
 
 if TYPE_CHECKING:  # the model library and the worker loop import torch: only inside `run`
     from deberta.config import DebertaConfig
-    from stages.pretrain_loop import LoopJob, TrainState
+    from stages.pretrain.loop import LoopJob, TrainState
 
 VERSION = "3"  # 3: blocks re-dealt every epoch; 2: the reference schedule, 6n span windows, sampled validation
 
@@ -91,10 +92,10 @@ def _trainer(cfg: PretrainConfig, job: "LoopJob", ctx: StageContext):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from stages.pretrain_loop import train_loop_per_worker
+    from stages.pretrain.loop import train_loop_per_worker
 
     # No Ray Data dataset: each worker reads its blocks of the (already globally shuffled) train shards in the
-    # order `stages.pretrain_data` deals them per epoch, which a restarted worker can replay.
+    # order `stages.pretrain.data` deals them per epoch, which a restarted worker can replay.
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"job": job},
@@ -109,8 +110,8 @@ def _trainer(cfg: PretrainConfig, job: "LoopJob", ctx: StageContext):
 
 def _loop_job(cfg: PretrainConfig, model: "DebertaConfig", ds_config: dict, seq_len: int, train_files: list[str],
               val_files: list[str], tok: Tokenizer, tracker) -> "LoopJob":
-    from stages import pretrain_objectives as objectives
-    from stages.pretrain_loop import LoopJob
+    from stages.pretrain import objectives as objectives
+    from stages.pretrain.loop import LoopJob
 
     return LoopJob(
         cfg=cfg, model=model, ds_config=ds_config, seq_len=seq_len, train_files=tuple(train_files),
@@ -126,7 +127,7 @@ def consolidate(checkpoint_dir: Path, zero_stage: int) -> tuple[dict, "TrainStat
     """fp32 state dict of a reported DeepSpeed checkpoint (all ranks' shards merged by Ray Train storage)."""
     import torch
 
-    from stages.pretrain_loop import TrainState
+    from stages.pretrain.loop import TrainState
 
     state = TrainState.read(checkpoint_dir)
     if zero_stage == 0:  # no ZeRO shards: rank 0's module states are the full model
@@ -166,8 +167,8 @@ def plot_losses(ctx: StageContext, path: Path) -> None:
 
 
 def write_outputs(out: Path, cfg: PretrainConfig, model: "DebertaConfig", state_dict: dict, vocab: Artifact) -> str:
-    """tokenizer/ and the objective's model directories (`stages.pretrain_objectives.write_models`)."""
-    from stages import pretrain_objectives as objectives
+    """tokenizer/ and the objective's model directories (`stages.pretrain.objectives.write_models`)."""
+    from stages.pretrain import objectives as objectives
 
     (out / "tokenizer").mkdir()
     for name in ("spm.model", "special_tokens.json"):
@@ -237,9 +238,9 @@ def finish(cfg: PretrainConfig, model: ModelConfig, out: Path, ctx: StageContext
 
 def register(cfg: PretrainConfig, out: Path, ctx: StageContext) -> str:
     """Our checkpoint as a run artifact; the registry version `deberta-<preset>-pretrained`, tagged with its
-    lineage and objective: an MLflow Model over hf/ (`pipeline/hf_pyfunc.py`): MLM as fill-mask, the RTD
+    lineage and objective: an MLflow Model over hf/ (`core/hf_pyfunc.py`): MLM as fill-mask, the RTD
     discriminator as feature extraction (its generator/ a run artifact)."""
-    from stages import pretrain_objectives as objectives
+    from stages.pretrain import objectives as objectives
 
     ctx.tracker.log_artifacts(out / "model", "model")  # ours, EMD table (MLM) / RTD head included
     name = f"deberta-{ctx.preset}-pretrained"
@@ -263,7 +264,7 @@ def _largest_layer_params(cfg: PretrainConfig, model: "DebertaConfig") -> int:
     """Largest single module's own parameters (the word embedding for every preset), on the meta device."""
     import torch
 
-    from stages import pretrain_objectives as objectives
+    from stages.pretrain import objectives as objectives
 
     factory, _ = objectives.build_model(cfg, model)
     with torch.device("meta"):
@@ -279,7 +280,7 @@ def dry_run(cfg: PretrainConfig, model: ModelConfig) -> str:
                                                       estimate_zero2_model_states_mem_needs_all_cold)
 
     from deberta.flops import PEAK_FLOPS
-    from stages import pretrain_objectives as objectives
+    from stages.pretrain import objectives as objectives
 
     model = model_config(model)
     counts = objectives.parameter_counts(cfg, model)

@@ -1,6 +1,6 @@
 """The MLflow Model of every registry version: a pyfunc over a whole `deberta.hf` export ("models from code").
 
-MLflow runs this file, the pipeline never imports it: `Tracker.log_hf_model` (pipeline/lineage.py) logs it with the
+MLflow runs this file, the pipeline never imports it: `Tracker.log_hf_model` (core/lineage.py) logs it with the
 export as the model's artifact `hf` (kept as written: config.json, model.safetensors, tokenizer.json, spm.model),
 and `mlflow.pyfunc.load_model` / `mlflow models serve` execute it next to that directory. It needs mlflow, pandas,
 torch and transformers, nothing of this repository.

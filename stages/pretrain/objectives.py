@@ -25,7 +25,7 @@ from torch import nn
 
 from deberta.config import DebertaConfig
 from deberta.masking import SpanMasker
-from pipeline.config import PretrainConfig
+from core.config import PretrainConfig
 
 RTD_FILE = "rtd.json"
 OBJECTIVE_METRICS = {"mlm": (), "rtd": ("mlm_loss", "rtd_loss", "rtd_accuracy", "replaced_fraction",
@@ -123,7 +123,7 @@ def train_flops_per_token(cfg: PretrainConfig, model: DebertaConfig, seq_len: in
 
 def parameter_counts(cfg: PretrainConfig, model: DebertaConfig) -> dict[str, int]:
     """Parameters of the whole pretraining model and of the backbone that is fine-tuned (meta device)."""
-    from deberta.config import num_parameters
+    from deberta.model import num_parameters
 
     factory, _ = build_model(cfg, model)
     with torch.device("meta"):

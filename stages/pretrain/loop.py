@@ -1,12 +1,12 @@
 """The per-worker pretraining loop (`train_loop_per_worker`), run by Ray Train on every worker.
 
-The engine (`cluster.engine`: DeepSpeed on the process group Ray Train already set up, gloo on CPU, NCCL
+The engine (`training.engine`: DeepSpeed on the process group Ray Train already set up, gloo on CPU, NCCL
 on GPU) is built here, inside the worker. Everything a worker needs arrives in one picklable `LoopJob`; no
 module global is read inside the loop.
 
 Data position (what a checkpoint stores besides model, optimizer and scheduler): `(epoch,
 batch_in_epoch)` in micro-batches of this worker. The order is a pure function of the shards, seed, epoch
-and rank (`stages.pretrain_data`: blocks re-dealt every epoch, windows shuffled locally), so on resume every
+and rank (`stages.pretrain.data`: blocks re-dealt every epoch, windows shuffled locally), so on resume every
 worker re-opens epoch `epoch` and skips `batch_in_epoch` micro-batches (read and dropped, never computed;
 the cost is I/O proportional to the position within the epoch) - the next step sees exactly the batches it
 would have seen without the interruption. Span masks are a pure function of (seed, step, micro-batch,
@@ -32,10 +32,10 @@ import torch
 
 from deberta.config import DebertaConfig
 from deberta.masking import SpanMasker
-from cluster.engine import Engine, OptimSpec, build
-from pipeline.config import PretrainConfig
-from stages import pretrain_data as data
-from stages import pretrain_objectives as objectives
+from training.engine import Engine, OptimSpec, build
+from core.config import PretrainConfig
+import stages.pretrain.data as data
+import stages.pretrain.objectives as objectives
 from stages.segment_pairs import SOP_COLUMN
 
 STATE_FILE = "train_state.json"
@@ -64,7 +64,7 @@ class LoopJob:
     train_flops_per_token: float
     """deberta.flops.train_flops_per_token at seq_len and the MLM target share."""
     tracker: Any
-    """pipeline.lineage.Tracker of the stage run (rank 0 logs through it)."""
+    """core.lineage.Tracker of the stage run (rank 0 logs through it)."""
 
     def word_start_mask(self) -> torch.Tensor:
         bits = np.unpackbits(np.frombuffer(self.word_start, dtype=np.uint8))[: self.tokenizer_len]
@@ -104,14 +104,14 @@ class RankZero:
 
 
 def optim_spec(cfg: PretrainConfig) -> OptimSpec:
-    """Table 8's AdamW, schedule and clipping for `cluster.engine`."""
+    """Table 8's AdamW, schedule and clipping for `training.engine`."""
     return OptimSpec(lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.max_steps,
                      weight_decay=cfg.weight_decay, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                      grad_clip=cfg.grad_clip)
 
 
 def make_engine(cfg: PretrainConfig, model_cfg: DebertaConfig, ds_config: dict[str, Any], backend: str) -> Engine:
-    """The objective's model (`stages.pretrain_objectives`) inside the DeepSpeed engine of `cluster.engine`.
+    """The objective's model (`stages.pretrain.objectives`) inside the DeepSpeed engine of `training.engine`.
     Seeded: identical initial weights on every rank."""
     factory, init_module = objectives.build_model(cfg, model_cfg)
     return build(factory, optim_spec(cfg), ds_config=ds_config, backend=backend, seed=cfg.seed,

@@ -22,9 +22,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-
-class ConfigError(ValueError):
-    """A configuration a user wrote is wrong; the message names the key and the fix."""
+from core.errors import ConfigError
 
 
 def _check(ok: bool, message: str) -> None:
@@ -288,7 +286,7 @@ class PretrainConfig(Section):
     shuffle_buffer: int = 1_024
     """Sequences shuffled together in each worker's window, seeded by (seed, epoch, rank, window); the train split
     is already one global permutation (tokenize stage) and its blocks are re-dealt every epoch
-    (`stages.pretrain_data`); 0 = none."""
+    (`stages.pretrain.data`); 0 = none."""
     placement_strategy: str = "PACK"
     """Ray placement of the training workers: "PACK" (fill a node's GPUs first) or "SPREAD" (one per node first)."""
     seed: int = 0

@@ -19,8 +19,8 @@ from typing import Sequence
 import numpy as np
 import sentencepiece as spm
 
-from pipeline.artifacts import MANIFEST, file_digest
-from stages.base import StageInputError
+from core.artifacts import MANIFEST, file_digest
+from core.errors import StageInputError
 
 PAD, CLS, SEP, UNK, MASK = "[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"
 FIXED_IDS = {PAD: 0, CLS: 1, SEP: 2, UNK: 3}

@@ -2,16 +2,16 @@
 
 Only DeepSpeed's own settings live here: ZeRO stage, precision (bf16 on GPU, fp32 on CPU, where gloo has no bf16
 all-reduce worth having), the batch arithmetic and clipping. The optimizer and the schedule are client objects
-built by `cluster.engine` (DeepSpeed's own Adam JIT-compiles a C++/CUDA op for minutes; its `WarmupDecayLR` is off
+built by `training.engine` (DeepSpeed's own Adam JIT-compiles a C++/CUDA op for minutes; its `WarmupDecayLR` is off
 by two steps against the reference linear schedule), so the JSON has no "optimizer" or "scheduler" section and
-allows ZeRO with an "untested" optimizer. Inputs are valid: `pipeline.config.validate` checked them.
+allows ZeRO with an "untested" optimizer. Inputs are valid: `core.config.validate` checked them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pipeline.config import PretrainConfig, pretrain_accumulation
+from core.config import PretrainConfig, pretrain_accumulation
 
 QUIET_STEPS = 10**9
 """DeepSpeed prints its own progress every `steps_per_print`; the training loop prints ours instead."""
