@@ -1,0 +1,86 @@
+"""Checkpoints that can be checked before they are trusted.
+
+A DeepSpeed checkpoint reported to Ray Train is the union of every rank's directory (each rank saves its own
+optimizer shard; Ray Train copies them all into one storage directory). A node lost mid-copy or a bad disk
+leaves a directory that looks whole and fails deep inside `torch.load`. So each rank, after its save, writes
+`_files.rank<R>.json` LAST: every file it wrote with its size and xxh3-64 digest. A checkpoint verifies when
+all `world` rank lists are present and every file they name exists with that size and digest.
+
+Digests, not only sizes: a flipped byte keeps the size. xxh3 reads at memory speed, so checking costs one
+read of the checkpoint (what loading it costs anyway). Resume walks the run's checkpoints newest first and
+takes the first that verifies (`newest_valid`), naming each one it skips and why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import xxhash
+
+LIST_PREFIX = "_files.rank"
+STATE_FILE = "train_state.json"
+"""The loop's own record of step and data position (written by rank 0 beside DeepSpeed's files)."""
+
+
+def _digest(path: Path, chunk: int = 1 << 22) -> str:
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_file_list(directory: Path, rank: int) -> None:
+    """Record every file under `directory` (this rank's part of a checkpoint), then the list itself, last."""
+    directory = Path(directory)
+    files = {}
+    for p in sorted(directory.rglob("*")):
+        if p.is_file() and not p.name.startswith(LIST_PREFIX):
+            files[str(p.relative_to(directory))] = {"bytes": p.stat().st_size, "xxh3": _digest(p)}
+    tmp = directory / f".{LIST_PREFIX}{rank}.tmp"
+    tmp.write_text(json.dumps({"rank": rank, "files": files}, sort_keys=True))
+    os.replace(tmp, directory / f"{LIST_PREFIX}{rank}.json")
+
+
+def problem(directory: Path, world: int) -> str | None:
+    """None when the checkpoint verifies; otherwise what is wrong, naming the file."""
+    directory = Path(directory)
+    for rank in range(world):
+        listing = directory / f"{LIST_PREFIX}{rank}.json"
+        if not listing.is_file():
+            return f"{listing.name} is missing (rank {rank} never finished writing this checkpoint)"
+        try:
+            files = json.loads(listing.read_text())["files"]
+        except (ValueError, KeyError) as e:
+            return f"{listing.name} is unreadable ({e})"
+        for rel, want in files.items():
+            path = directory / rel
+            if not path.is_file():
+                return f"{rel} is missing"
+            size = path.stat().st_size
+            if size != want["bytes"]:
+                return f"{rel} has {size:,} bytes, {want['bytes']:,} were written"
+            if _digest(path) != want["xxh3"]:
+                return f"{rel} does not match its digest (same size, different bytes)"
+    return None
+
+
+def step_of(directory: Path) -> int:
+    """The training step a checkpoint holds (-1 when its state file is missing or unreadable)."""
+    try:
+        return int(json.loads((Path(directory) / STATE_FILE).read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
+def newest_valid(candidates: list[Path], world: int) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint (by step) that verifies, and one line per newer one skipped."""
+    skipped = []
+    for path in sorted(candidates, key=step_of, reverse=True):
+        reason = problem(path, world)
+        if reason is None:
+            return path, skipped
+        skipped.append(f"skipped checkpoint {Path(path).name} (step {step_of(path)}): {reason}")
+    return None, skipped
