@@ -123,8 +123,9 @@ class Tracker:
     def client(self) -> MlflowClient:
         return _client(self.tracking_uri)
 
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        ts = int(time.time() * 1000)
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None, timestamp_ms: int | None = None) -> None:
+        """`timestamp_ms`: when the values were measured (a buffered point arrives later); default now."""
+        ts = timestamp_ms if timestamp_ms is not None else int(time.time() * 1000)
         batch = [Metric(k, float(v), ts, step or 0) for k, v in metrics.items()]
         self.client.log_batch(self.run_id, metrics=batch)
 
