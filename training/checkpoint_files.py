@@ -44,13 +44,18 @@ def write_file_list(directory: Path, rank: int) -> None:
     os.replace(tmp, directory / f"{LIST_PREFIX}{rank}.json")
 
 
-def problem(directory: Path, world: int) -> str | None:
-    """None when the checkpoint verifies; otherwise what is wrong, naming the file."""
+def problem(directory: Path, world: int, ranks: range | None = None) -> str | None:
+    """None when the checkpoint verifies; otherwise what is wrong, naming the file.
+
+    Every rank's list must be there; the files of `ranks`' lists are read (default: all), so `world` resuming
+    workers can split the reading (each its own: `range(rank, rank + 1)`) and agree by an all-reduce."""
     directory = Path(directory)
     for rank in range(world):
         listing = directory / f"{LIST_PREFIX}{rank}.json"
         if not listing.is_file():
             return f"{listing.name} is missing (rank {rank} never finished writing this checkpoint)"
+    for rank in ranks if ranks is not None else range(world):
+        listing = directory / f"{LIST_PREFIX}{rank}.json"
         try:
             files = json.loads(listing.read_text())["files"]
         except (ValueError, KeyError) as e:
