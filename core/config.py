@@ -365,8 +365,13 @@ class FinetuneConfig(Section):
     """CPUs per trial (per worker with trainer=deepspeed)."""
     use_gpu: bool = False
     """Fine-tune on GPUs (one per trial, or per worker with trainer=deepspeed)."""
+    max_failures: int = 2
+    """Retries of a trial whose process, worker or node dies (Tune's `FailureConfig`, the one level that retries:
+    a DeepSpeed trial's Ray Train run has none of its own, so a lost worker fails the trial and Tune restarts it).
+    A torch trial resumes from its newest epoch checkpoint, a DeepSpeed trial from scratch; -1 retries forever."""
 
-    HOW: ClassVar[frozenset[str]] = frozenset({"task", "init", "max_concurrent_trials", "cpus_per_trial"})
+    HOW: ClassVar[frozenset[str]] = frozenset({"task", "init", "max_concurrent_trials", "cpus_per_trial",
+                                               "max_failures"})
     """`task` and `init` name where the examples and the checkpoint come from; their own ids (digests) are the
     stage's inputs, so one checkpoint reached by two paths is one artifact."""
 
@@ -383,6 +388,7 @@ class FinetuneConfig(Section):
                                       f"and [SEP] (>= 3)")
         _check(self.max_train_examples is None or self.max_train_examples >= 1,
                f"finetune.max_train_examples={self.max_train_examples}: must be >= 1 (or none for all)")
+        _check(self.max_failures >= -1, f"finetune.max_failures={self.max_failures}: must be >= 0 (or -1: no limit)")
         check_finetune_trainer(self)
 
 
