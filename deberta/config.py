@@ -1,4 +1,8 @@
-"""Typed, frozen model configuration, and `debug()`, the CPU-sized flavour the tests build.
+"""The model's configuration, and `debug()`, the CPU-sized shape of the tests and of the debug preset.
+
+`DebertaConfig` is also the pipeline's `[model]` section (`core.config.PipelineConfig.model`): one class, one set of
+fields, one validation, whether a model is built in a notebook or from the command line. It imports nothing but the
+standard library, so the command line reads it without loading torch.
 
 The field names follow `transformers.DebertaV2Config` wherever the concept exists there, so that
 `deberta.hf` converts configurations field by field. Fields that HF spells differently (or encodes
@@ -9,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 ATTN_IMPLS = ("sdpa", "math")
 SHARE_LAYERS = ("none", "all", "attention", "ffn")
@@ -17,9 +23,36 @@ SHARE_LAYERS = ("none", "all", "attention", "ffn")
 ("all"), for every layer's attention block only ("attention") or feed-forward block only ("ffn")."""
 
 
+class DebertaConfigError(ValueError):
+    """A field of `DebertaConfig` out of range; the message names the fields (`fields`) and the fix.
+
+    A plain ValueError subclass because this library is the bottom layer and imports nothing of the pipeline;
+    `core.config` turns it into the ConfigError the command line prints, with the fields written as the pipeline
+    spells them (`qualified("model")`: "model.hidden_size=65 ...").
+    """
+
+    def __init__(self, message: str, *fields: str):
+        super().__init__(message)
+        self.fields = fields
+
+    def qualified(self, section: str) -> str:
+        """The message with each named field written `section.field`."""
+        return re.sub(rf"\b({'|'.join(self.fields)})(?==)", rf"{section}.\1", str(self))
+
+
+def _require(ok: bool, message: str, *fields: str) -> None:
+    if not ok:
+        raise DebertaConfigError(message, *fields)
+
+
 @dataclass(frozen=True)
 class DebertaConfig:
-    """Architecture of a DeBERTa backbone (post-LayerNorm transformer with disentangled attention)."""
+    """Architecture of a DeBERTa backbone (post-LayerNorm transformer with disentangled attention).
+
+    Checked as it is built (`check`), so a config that exists is a valid one. It follows the pipeline's section
+    protocol (`core.config.Section`) without importing it: `check()`, `what()` (the fields hashed into artifact
+    ids) and `HOW` (the fields that change how the model runs, not what it computes: `attn_impl`).
+    """
 
     vocab_size: int
     """Rows of the word-embedding table (and columns of the LM head). Must be >= the tokenizer length;
@@ -91,25 +124,31 @@ class DebertaConfig:
     """"sdpa": c2p+p2c as an additive bias to torch's fused scaled_dot_product_attention;
     "math": the same equation written out (softmax(QK^T*s + bias) V), kept as the exact fallback."""
 
+    HOW: ClassVar[frozenset[str]] = frozenset({"attn_impl"})
+
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"DebertaConfig: hidden_size={self.hidden_size} is not a multiple of "
-                f"num_attention_heads={self.num_attention_heads}; pick heads so that hidden/heads is an integer"
-            )
-        if self.attn_impl not in ATTN_IMPLS:
-            raise ValueError(f"DebertaConfig: attn_impl={self.attn_impl!r}; choose one of {ATTN_IMPLS}")
-        if self.position_buckets < 0 or self.position_buckets % 2:
-            raise ValueError(
-                f"DebertaConfig: position_buckets={self.position_buckets} must be 0 (no buckets) or a positive even number"
-            )
-        if self.vocab_size <= self.pad_token_id:
-            raise ValueError(f"DebertaConfig: vocab_size={self.vocab_size} must exceed pad_token_id={self.pad_token_id}")
-        if self.embedding_size < 0:
-            raise ValueError(f"DebertaConfig: embedding_size={self.embedding_size} must be >= 1, or 0 for "
-                             f"hidden_size (no factorised embedding; ALBERT uses 128)")
-        if self.share_layers not in SHARE_LAYERS:
-            raise ValueError(f"DebertaConfig: share_layers={self.share_layers!r}; choose one of {SHARE_LAYERS}")
+        self.check()
+
+    def check(self) -> None:
+        """Raise DebertaConfigError naming the field and the fix."""
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                     "max_position_embeddings"):
+            _require(getattr(self, name) >= 1, f"{name}={getattr(self, name)}: must be >= 1", name)
+        _require(self.hidden_size % self.num_attention_heads == 0,
+                 f"hidden_size={self.hidden_size} is not a multiple of num_attention_heads={self.num_attention_heads}; "
+                 f"pick heads so that hidden/heads is an integer", "hidden_size", "num_attention_heads")
+        _require(self.position_buckets >= 0 and self.position_buckets % 2 == 0,
+                 f"position_buckets={self.position_buckets}: must be 0 (no buckets) or a positive even number",
+                 "position_buckets")
+        _require(self.vocab_size > self.pad_token_id,
+                 f"vocab_size={self.vocab_size} must exceed pad_token_id={self.pad_token_id}", "vocab_size", "pad_token_id")
+        _require(self.attn_impl in ATTN_IMPLS, f"attn_impl={self.attn_impl!r}; choose one of {ATTN_IMPLS}", "attn_impl")
+        _require(self.embedding_size >= 0, f"embedding_size={self.embedding_size} must be >= 1, or 0 for hidden_size "
+                                           f"(no factorised embedding; ALBERT uses 128)", "embedding_size")
+        _require(self.share_layers in SHARE_LAYERS,
+                 f"share_layers={self.share_layers!r}; choose one of {SHARE_LAYERS}", "share_layers")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            _require(0.0 <= getattr(self, name) < 1.0, f"{name}={getattr(self, name)}: must be in [0, 1)", name)
 
     @property
     def head_dim(self) -> int:
@@ -139,8 +178,12 @@ class DebertaConfig:
         """A copy with some fields changed (the config is frozen)."""
         return dataclasses.replace(self, **changes)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def what(self) -> dict[str, Any]:
+        """The fields hashed into artifact ids: every field but the `HOW` ones."""
+        return {k: v for k, v in self.to_dict().items() if k not in self.HOW}
 
     @classmethod
     def from_dict(cls, d: dict) -> "DebertaConfig":
@@ -149,10 +192,6 @@ class DebertaConfig:
         if unknown:
             raise ValueError(f"DebertaConfig.from_dict: unknown fields {unknown}; known fields are {sorted(names)}")
         return cls(**d)
-
-
-# The reference 1.5B vocabulary: 128,000 SentencePiece pieces + [MASK] = 128,001 tokens, padded to 128,100 rows.
-REFERENCE_VOCAB_ROWS = 128_100
 
 
 def padded_vocab_size(tokenizer_len: int, multiple: int = 100) -> int:
@@ -167,7 +206,8 @@ def padded_vocab_size(tokenizer_len: int, multiple: int = 100) -> int:
 
 
 def debug(vocab_size: int = 1000, **overrides) -> DebertaConfig:
-    """CPU-sized model shaped like the 1.5B (log buckets, shared keys, conv): 3 x 64, 2 heads of 32.
+    """CPU-sized model shaped like the 1.5B (log buckets, shared keys, conv): 3 x 64, 2 heads of 32; the tests'
+    model and the debug preset's (which pads `vocab_size` to its vocabulary).
 
     Buckets are scaled down with the sequence (16 buckets over 128 positions) so that short test sequences
     already exercise the log region of the bucket mapping.
