@@ -4,27 +4,40 @@ An artifact lives at `workdir/artifacts/<stage>/<id>/`, where `<id>` is a hash o
 (stage name, stage version, the stage's config sections, its inputs' ids). It is built in a
 temporary sibling directory and renamed into place only after `manifest.json` and the
 success marker `_SUCCESS` (written last) are there, so a partial artifact is never visible
-and a finished one is never recomputed.
+and a finished one is never recomputed. A finished artifact is never deleted in place either: if the same
+artifact appeared while ours was being built, ours is dropped and theirs kept; a `--force` rebuild moves the old one
+aside before the new one takes its name. Which run may build what is `core.locks`' business.
+
+Checking: `verify` compares a finished artifact with its manifest - sizes always (a stat per file), SHA-256
+digests on demand. Hashing runs at about 0.5-1 GB/s on one core: 15 ms for the debug preset's 7.7 MB corpus
+artifact against its 7 s stage, but minutes per consuming stage for a corpus of hundreds of GB on shared storage,
+which a truncated shard (the common damage: a copy or write cut short) does not need.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
+
+from core.errors import StageInputError
 
 SUCCESS = "_SUCCESS"
 MANIFEST = "manifest.json"
 ID_LENGTH = 16
+BUILDING, REPLACED = ".tmp-", ".old-"
+"""Prefixes of a build in progress and of a finished artifact a `--force` rebuild replaced: `<prefix><id>-<hex>`."""
 
 
 def canonical_json(obj: Any) -> str:
@@ -108,24 +121,111 @@ class ArtifactStore:
         return path
 
     @contextlib.contextmanager
-    def building(self, stage: str, art_id: str, manifest: dict[str, Any]) -> Iterator[Path]:
+    def building(self, stage: str, art_id: str, manifest: dict[str, Any], replace: bool = False) -> Iterator[Path]:
         """Yield a temp dir to write into; on success add manifest + marker and rename into place.
 
-        On any exception the temp dir is removed and nothing appears at the final path.
+        On any exception the temp dir is removed and nothing appears at the final path. A finished artifact already
+        at the final path is kept (ours is dropped) unless `replace` (`--force`): then it is moved aside first.
         """
         final = self.path(stage, art_id)
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f".tmp-{art_id}-{uuid.uuid4().hex[:8]}"
+        tmp = final.parent / f"{BUILDING}{art_id}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
             yield tmp
             _finish(tmp, manifest)
-            if final.exists():  # an incomplete leftover (no marker): replace it
-                shutil.rmtree(final)
-            os.rename(tmp, final)
+            _publish(tmp, final, replace)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+
+    def leftovers(self) -> list[tuple[str, str, Path]]:
+        """(stage, artifact id, path) of every build directory and replaced artifact still on disk: a run's own
+        while it builds, else debris of a run that died (whoever holds the artifact's lock may remove it)."""
+        out = []
+        for p in sorted(self.root.glob(f"*/{BUILDING}*")) + sorted(self.root.glob(f"*/{REPLACED}*")):
+            prefix = BUILDING if p.name.startswith(BUILDING) else REPLACED
+            out.append((p.parent.name, p.name.removeprefix(prefix).rpartition("-")[0], p))
+        return out
+
+
+def _publish(tmp: Path, final: Path, replace: bool) -> None:
+    """Rename the finished build into place without ever deleting a finished artifact at the final path in place."""
+    if (final / SUCCESS).is_file() and not replace:
+        shutil.rmtree(tmp)  # another run finished the same artifact meanwhile: a reader may hold theirs
+        return
+    if final.exists():  # the artifact --force replaces, or an incomplete directory someone put there
+        aside = final.parent / f"{REPLACED}{final.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(final, aside)
+        os.rename(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+
+
+def verify(art: Artifact, digests: bool = False) -> None:
+    """Check a finished artifact against its manifest: every file present with its size, and with `digests` its
+    SHA-256 too. StageInputError naming the first file that differs and the fix."""
+    fix = f"rebuild it with --force {art.stage}"
+    try:
+        files = art.manifest["files"]
+    except (OSError, ValueError, KeyError) as e:
+        raise StageInputError(f"artifact {art.path}: its {MANIFEST} is unreadable ({e}); {fix}") from None
+    for rel, entry in files.items():
+        path = art.path / rel
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise StageInputError(f"artifact {art.stage}/{art.id}: {path} is missing; {fix}") from None
+        if size != entry["bytes"]:
+            raise StageInputError(f"artifact {art.stage}/{art.id}: {path} has {size} bytes, its manifest says "
+                                  f"{entry['bytes']} (truncated or overwritten); {fix}")
+        if digests and file_digest(path) != entry["sha256"]:
+            raise StageInputError(f"artifact {art.stage}/{art.id}: {path} does not match its manifest's sha256 "
+                                  f"(changed since it was written); {fix}")
+
+
+# ----------------------------------------------------------------------------------------------- disk full
+
+def is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC or EDQUOT anywhere in the exception's chain (Ray and pyarrow wrap the OSError, some only in text)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+_WRITES: dict[str, Any] = {"root": None, "last": None, "hooked": False}
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event != "open" or _WRITES["root"] is None:
+        return
+    path, _, flags = args
+    if isinstance(path, (str, bytes, os.PathLike)) and flags & (os.O_WRONLY | os.O_RDWR):
+        path = os.path.abspath(os.fsdecode(path))
+        if path.startswith(_WRITES["root"]):
+            _WRITES["last"] = path
+
+
+@contextlib.contextmanager
+def watching_writes(root: Path) -> Iterator[Callable[[], str | None]]:
+    """Yield a function that returns the file under `root` this process last opened for writing, so a disk-full
+    error, which carries no file name when a write() fails, can name the file. Python's audit event "open" (PEP 578)
+    sees every open() and os.open() of this process; writes of C++ libraries and of Ray workers it does not see."""
+    if not _WRITES["hooked"]:
+        sys.addaudithook(_audit)  # a hook cannot be removed: installed once, idle outside this context
+        _WRITES["hooked"] = True
+    _WRITES.update(root=str(Path(root).resolve()), last=None)
+    try:
+        yield lambda: _WRITES["last"]
+    finally:
+        _WRITES["root"] = None
 
 
 def _finish(tmp: Path, manifest: dict[str, Any]) -> None:

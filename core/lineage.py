@@ -9,6 +9,9 @@ Registry versions are MLflow Models: `Tracker.log_hf_model` logs a `deberta.hf` 
 (core/hf_pyfunc.py, "models from code": why not the `transformers` flavor is said there) in an MLflow 3 logged
 model linked to the run, and `register_model` registers that. `download_registered_model` brings a version's export
 back to disk (`finetune.init=models:/NAME/VERSION`).
+
+A sqlite store is opened under a lock file beside it (`mlflow.db.lock`, core/locks.py): MLflow creates and migrates
+the schema on first open, and two runs starting at once on one workdir would both migrate it and break each other.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import mlflow
 from mlflow.data.dataset_source import DatasetSource
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
+
+from core import locks
 
 EXPERIMENT = "deberta-pipeline"
 TAG_STAGE = "pipeline.stage"
@@ -52,6 +57,24 @@ def default_tracking_uri(workdir: Path) -> str:
         return uri
     (workdir / "mlflow").mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{(workdir / 'mlflow' / 'mlflow.db').resolve()}"
+
+
+STORE_LOCK_TIMEOUT_S = 300.0
+"""How long a run waits for another to finish creating the sqlite store (seconds, on a slow shared disk)."""
+
+
+@contextlib.contextmanager
+def _opening_store(tracking_uri: str):
+    """For a sqlite store, hold its lock while the schema is created or checked (LockHeld after the timeout)."""
+    if not tracking_uri.startswith("sqlite:///"):
+        yield
+        return
+    db = Path(tracking_uri.removeprefix("sqlite:///"))
+    lock = locks.wait(db.with_name(db.name + ".lock"), timeout=STORE_LOCK_TIMEOUT_S)
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -241,16 +264,17 @@ class Lineage:
     def __init__(self, workdir: Path, experiment: str = EXPERIMENT):
         self.tracking_uri = default_tracking_uri(workdir)
         self.artifact_root = (workdir / "mlflow" / "artifacts").resolve()
-        client = _client(self.tracking_uri)
-        exp = client.get_experiment_by_name(experiment)
-        if exp is None:
-            location = None if self.tracking_uri.startswith("http") else self.artifact_root.as_uri()
-            exp_id = client.create_experiment(experiment, artifact_location=location,
-                                              tags={TAG_EXPERIMENT_KIND: EXPERIMENT_KIND})
-        else:
-            exp_id = exp.experiment_id
-            if TAG_EXPERIMENT_KIND not in exp.tags:  # created before the tag existed: the UI guessed GenAI
-                client.set_experiment_tag(exp_id, TAG_EXPERIMENT_KIND, EXPERIMENT_KIND)
+        with _opening_store(self.tracking_uri):  # the schema, and the experiment, created once
+            client = _client(self.tracking_uri)
+            exp = client.get_experiment_by_name(experiment)
+            if exp is None:
+                location = None if self.tracking_uri.startswith("http") else self.artifact_root.as_uri()
+                exp_id = client.create_experiment(experiment, artifact_location=location,
+                                                  tags={TAG_EXPERIMENT_KIND: EXPERIMENT_KIND})
+            else:
+                exp_id = exp.experiment_id
+                if TAG_EXPERIMENT_KIND not in exp.tags:  # created before the tag existed: the UI guessed GenAI
+                    client.set_experiment_tag(exp_id, TAG_EXPERIMENT_KIND, EXPERIMENT_KIND)
         self.experiment_id = exp_id
         self.parent: Tracker | None = None
 

@@ -1,19 +1,30 @@
-"""Runs a plan: one MLflow child run per stage, artifacts written atomically, cached ones skipped."""
+"""Runs a plan: one MLflow child run per stage, artifacts written atomically, cached ones skipped.
+
+Runs sharing a workdir: `claim` locks every artifact the plan builds before anything is written (core/locks.py says
+why per artifact), refuses when another live run builds one of them, rebuilds (`--force`) one this run reads or reads
+one this run rebuilds, and removes the build directories dead runs left behind.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-from core.artifacts import Artifact, ArtifactStore
+from core import locks
+from core.artifacts import Artifact, ArtifactStore, is_disk_full, verify, watching_writes
 from core.config import PipelineConfig, check_cluster
 from core.lineage import TAG_STATUS, Lineage, Tracker
 from pipeline.plan import PlannedStage
+
+
+class RunConflict(Exception):
+    """Another live run owns what this one would build, rebuild or read; printed as one `error:` line, exit 2."""
 
 
 @dataclass
@@ -81,6 +92,90 @@ def discard_resumable_state(st: PlannedStage, store: ArtifactStore, storage: str
     return gone
 
 
+def _lock_path(workdir: Path, stage: str, art_id: str) -> Path:
+    return workdir / "locks" / f"{stage}-{art_id}.lock"
+
+
+@contextlib.contextmanager
+def claim(plan: list[PlannedStage], store: ArtifactStore, workdir: Path,
+          take_foreign: bool = False) -> Iterator[None]:
+    """Hold the locks of every artifact the plan builds for the block's duration (RunConflict if another live run
+    holds one), then remove the leftovers of dead runs. Each takeover and removal is said in one line."""
+    planned = {st.spec.name for st in plan}
+    builds = [st for st in plan if st.run and not st.cached]
+    held: list[locks.Lock] = []
+    try:
+        for st in builds:
+            reads = tuple(f"{name}/{art_id}" for name, art_id in st.input_ids.items() if name in planned)
+            try:
+                held.append(locks.acquire(_lock_path(workdir, st.spec.name, st.artifact_id), reads, take_foreign))
+            except locks.LockHeld as e:
+                raise RunConflict(f"artifact {st.spec.name}/{st.artifact_id} is being built by another run: {e}; "
+                                  f"wait for it, or plan something else") from None
+        _check_readers(builds, workdir)
+        notes = [lock.takeover_note() for lock in held if lock.takeover_note()]
+        notes += _remove_leftovers(store, workdir, {lock.path for lock in held})
+        for note in notes:
+            print(note, flush=True)
+        yield
+    finally:
+        for lock in held:
+            lock.release()
+
+
+def _check_readers(builds: list[PlannedStage], workdir: Path) -> None:
+    """No finished artifact this run reads is being rebuilt by another live run, and none this run rebuilds
+    (`--force`) is being read by one: its lock lists what it reads."""
+    others = {p: h for p, h in locks.holders(workdir / "locks").items() if not h.is_mine()}
+    for st in builds:
+        for name, art_id in st.input_ids.items():
+            path = _lock_path(workdir, name, art_id)
+            if path in others:
+                raise RunConflict(f"stage {st.spec.name} reads artifact {name}/{art_id}, which another run is "
+                                  f"rebuilding: {others[path].describe()} holds {path}; wait for it")
+        if st.forced:
+            for path, holder in others.items():
+                if f"{st.spec.name}/{st.artifact_id}" in holder.reads:
+                    raise RunConflict(f"--force {st.spec.name}: artifact {st.spec.name}/{st.artifact_id} is being "
+                                      f"read by {holder.describe()} ({path}); wait for that run to finish")
+
+
+def _remove_leftovers(store: ArtifactStore, workdir: Path, held: set[Path]) -> list[str]:
+    """Remove the build directories (and replaced artifacts) whose artifact no live run is building: each one's lock
+    is held by this run already or taken for the removal."""
+    removed, notes = [], []
+    for stage, art_id, path in store.leftovers():
+        lock_path = _lock_path(workdir, stage, art_id)
+        if lock_path in held:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+            continue
+        try:
+            lock = locks.acquire(lock_path)
+        except locks.LockHeld:
+            continue  # a live run is building it: its own directory
+        try:
+            if lock.takeover_note():
+                notes.append(lock.takeover_note())
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        finally:
+            lock.release()
+    if removed:
+        notes.append(f"removed {len(removed)} leftover build director{'y' if len(removed) == 1 else 'ies'} of dead "
+                     f"runs: {', '.join(str(p) for p in removed)}")
+    return notes
+
+
+def verify_inputs(plan: list[PlannedStage], store: ArtifactStore, digests: bool) -> None:
+    """Check every finished artifact the plan reuses against its manifest (core.artifacts.verify): sizes always,
+    SHA-256 digests with `digests` (`--verify`). StageInputError naming the file and `--force STAGE`."""
+    for st in plan:
+        art = store.find(st.spec.name, st.artifact_id) if st.cached else None
+        if art is not None:
+            verify(art, digests)
+
+
 def execute(cfg: PipelineConfig, plan: list[PlannedStage], objects: dict[str, Any],
             store: ArtifactStore, workdir: Path) -> Outcome:
     lineage = Lineage(workdir)
@@ -104,7 +199,8 @@ def execute(cfg: PipelineConfig, plan: list[PlannedStage], objects: dict[str, An
             outcome.artifacts[st.spec.name] = (st.artifact_id, "cached")
             continue
         if not _run_stage(cfg, st, refs, store, workdir, tracker, dict(ids), outcome):
-            parent.end("FAILED")
+            with contextlib.suppress(Exception):  # _fail said it already if the store cannot be written
+                parent.end("FAILED")
             return outcome
     parent.end()
     return outcome
@@ -124,8 +220,10 @@ def _run_stage(cfg: PipelineConfig, st: PlannedStage, refs: dict[str, Any], stor
                 "config": st.config, "inputs": st.input_ids}
     print(f"[{st.spec.name}] running -> {store.path(st.spec.name, st.artifact_id)}", flush=True)
     started = time.time()
+    out = None
     try:
-        with store.building(st.spec.name, st.artifact_id, manifest) as out:
+        with watching_writes(workdir) as last_written, \
+                store.building(st.spec.name, st.artifact_id, manifest, replace=st.forced) as out:
             result = st.spec.run(sections[0], **dict(zip(st.spec.sections[1:], sections[1:])),
                                  inputs=refs, out=out, ctx=ctx)
             manifest["counts"] = dict(result.counts)
@@ -134,6 +232,10 @@ def _run_stage(cfg: PipelineConfig, st: PlannedStage, refs: dict[str, Any], stor
     except StageInputError as e:
         return _fail(st, tracker, outcome, str(e))
     except Exception as e:  # noqa: BLE001  (a stage crash: keep the traceback, end the runs FAILED)
+        if is_disk_full(e):  # the user's to fix, and nothing was lost: one line naming the file
+            path = getattr(e, "filename", None) or last_written() or f"{out or store.path(st.spec.name, '')}/"
+            return _fail(st, tracker, outcome, f"no space left on device writing {path}; free space there and "
+                                               f"re-run: finished stages are reused")
         traceback.print_exc()
         return _fail(st, tracker, outcome, f"{type(e).__name__}: {e}")
     elapsed = time.time() - started
@@ -147,9 +249,12 @@ def _run_stage(cfg: PipelineConfig, st: PlannedStage, refs: dict[str, Any], stor
 
 
 def _fail(st: PlannedStage, tracker: Tracker, outcome: Outcome, message: str) -> bool:
+    try:
+        tracker.set_tags({TAG_STATUS: "failed", "pipeline.error": message[:5000]})
+        tracker.end("FAILED")
+    except Exception as e:  # noqa: BLE001  (a full disk may hold the store too: the stage's error comes first)
+        message += f" (its MLflow run could not be marked failed: {type(e).__name__}: {str(e)[:200]})"
     print(f"error: stage {st.spec.name} failed: {message}", file=sys.stderr, flush=True)
-    tracker.set_tags({TAG_STATUS: "failed", "pipeline.error": message[:5000]})
-    tracker.end("FAILED")
     outcome.ok, outcome.error = False, message
     return False
 

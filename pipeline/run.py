@@ -18,6 +18,7 @@ from core.config import ConfigError, PipelineConfig, apply_overrides, validate
 from core.datasets import materialize_corpus
 from pipeline.plan import STAGES, PlannedStage, make_plan, stages_until
 from pipeline.presets import PRESETS
+from stages.pretrain import check_config as check_pretrain
 
 
 class UserError(Exception):
@@ -54,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", metavar="SECTION.KEY=VALUE", action="append", default=[],
                    help="override a config value, e.g. --set pretrain.max_steps=100 (repeatable)")
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and the plan; run nothing")
+    p.add_argument("--verify", action="store_true",
+                   help="check every reused artifact's files against its manifest's SHA-256 digests, not just their "
+                        "sizes (about 1 s per GB)")
+    p.add_argument("--break-lock", action="store_true",
+                   help="take over locks held by runs on other hosts (their liveness cannot be checked from here); "
+                        "only when those runs are gone")
     return p
 
 
@@ -69,6 +76,7 @@ def resolve_config(args: argparse.Namespace) -> PipelineConfig:
     try:
         cfg = apply_overrides(cfg, overrides)
         validate(cfg)
+        check_pretrain(cfg.pretrain, cfg.model)
     except ConfigError as e:
         raise UserError(str(e)) from None
     return cfg
@@ -142,10 +150,13 @@ def print_plan(plan: list[PlannedStage]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from core.locks import LockHeld
+    from pipeline.executor import RunConflict
+
     args = build_parser().parse_args(argv)
     try:
         return _main(args)
-    except (UserError, ConfigError) as e:
+    except (UserError, ConfigError, RunConflict, LockHeld) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -173,7 +184,8 @@ def from_checkpoint(args: argparse.Namespace, cfg: PipelineConfig, objects: dict
 
 
 def _main(args: argparse.Namespace) -> int:
-    from pipeline.executor import execute, print_summary
+    from core.errors import StageInputError
+    from pipeline.executor import claim, execute, print_summary, verify_inputs
 
     cfg = resolve_config(args)
     workdir = check_workdir(args.workdir)
@@ -195,8 +207,13 @@ def _main(args: argparse.Namespace) -> int:
             if st.spec.dry_run is not None:
                 print(st.spec.dry_run(*[getattr(cfg, s) for s in st.spec.sections]))
         return 0
-    started = time.time()
-    outcome = execute(cfg, plan, objects, store, workdir)
+    with claim(plan, store, workdir, take_foreign=args.break_lock):
+        try:
+            verify_inputs(plan, store, digests=args.verify)
+        except StageInputError as e:
+            raise UserError(str(e)) from None
+        started = time.time()
+        outcome = execute(cfg, plan, objects, store, workdir)
     print_summary(outcome, workdir, time.time() - started)
     return 0 if outcome.ok else 1
 
