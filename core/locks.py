@@ -74,7 +74,8 @@ class Holder:
         return f"pid {self.pid} on {self.host} since {self.since}"
 
     def is_mine(self) -> bool:
-        return self.host == socket.gethostname() and self.pid == os.getpid() and self.boot_id == _boot_id()
+        me = Holder.me()
+        return (self.host, self.pid, self.boot_id, self.start_ticks) == (me.host, me.pid, me.boot_id, me.start_ticks)
 
     def alive(self) -> bool | None:
         """True or False on this host; None for a holder on another host, whose pid cannot be checked from here."""

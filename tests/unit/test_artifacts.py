@@ -95,3 +95,71 @@ def test_how_fields_stay_out_of_ids_what_fields_do_not(tmp_path):
 def test_stage_table_is_explicit():
     assert [s.name for s in STAGES] == ["corpus", "vocab", "tokenize", "pretrain", "finetune"]
     assert all(callable(s.run) and s.version for s in STAGES)
+
+
+# ----------------------------------------------------------------------------------------------- faults
+
+def test_finalisation_keeps_a_finished_artifact_unless_forced(tmp_path):
+    """A finished artifact is never deleted in place: one that appeared meanwhile wins; --force swaps it."""
+    store = ArtifactStore(tmp_path)
+    with store.building("corpus", "same", {}) as out:
+        (out / "a.txt").write_text("theirs")
+    with store.building("corpus", "same", {}) as out:
+        (out / "a.txt").write_text("ours")
+    assert (store.path("corpus", "same") / "a.txt").read_text() == "theirs"
+    with store.building("corpus", "same", {}, replace=True) as out:
+        (out / "a.txt").write_text("forced")
+    assert (store.path("corpus", "same") / "a.txt").read_text() == "forced"
+    assert [p.name for p in (tmp_path / "artifacts" / "corpus").iterdir()] == ["same"] and not store.leftovers()
+
+
+def test_leftovers_name_their_artifact(tmp_path):
+    store = ArtifactStore(tmp_path)
+    for name in (".tmp-news-test-0a1b2c3d", ".old-abc123-ffffffff", "abc123"):
+        (tmp_path / "artifacts" / "corpus" / name).mkdir(parents=True)
+    assert [(s, i, p.name) for s, i, p in store.leftovers()] == [
+        ("corpus", "news-test", ".tmp-news-test-0a1b2c3d"), ("corpus", "abc123", ".old-abc123-ffffffff")]
+
+
+def test_verify_sizes_always_digests_on_demand(tmp_path):
+    from core.artifacts import verify
+    from core.errors import StageInputError
+
+    store = ArtifactStore(tmp_path)
+    with store.building("corpus", "c1", {}) as out:
+        (out / "train").mkdir()
+        (out / "train" / "0.parquet").write_bytes(bytes(range(256)) * 4)
+    art = store.find("corpus", "c1")
+    verify(art, digests=True)
+    shard = art.path / "train" / "0.parquet"
+    shard.write_bytes(bytes(range(256)) * 2)  # truncated
+    with pytest.raises(StageInputError, match=rf"{shard} has 512 bytes, its manifest says 1024 .*--force corpus"):
+        verify(art)
+    shard.write_bytes(bytes(range(1, 256)) + b"\0" + bytes(range(256)) * 3)  # same size, other bytes
+    verify(art)
+    with pytest.raises(StageInputError, match=rf"{shard} does not match its manifest's sha256.*--force corpus"):
+        verify(art, digests=True)
+    shard.unlink()
+    with pytest.raises(StageInputError, match=rf"{shard} is missing"):
+        verify(art)
+
+
+def test_a_full_disk_is_recognised_and_named(tmp_path):
+    import errno
+
+    from core.artifacts import is_disk_full, watching_writes
+
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as e:
+            raise RuntimeError("a worker failed") from e
+    except RuntimeError as e:
+        assert is_disk_full(e)
+    assert not is_disk_full(OSError(errno.ENOENT, "missing"))
+    assert is_disk_full(OSError("[Errno 28] No space left on device"))  # pyarrow's, errno only in the text
+    with watching_writes(tmp_path) as last_written:
+        (tmp_path / "sample.txt").write_text("x")
+        (tmp_path / "sample.txt").read_text()  # reading is not writing
+        open("/dev/null", "w").close()  # outside the root
+        assert last_written() == str(tmp_path / "sample.txt")
