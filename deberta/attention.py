@@ -1,4 +1,4 @@
-"""Disentangled self-attention (paper §3, SPEC.md "Model"), in the efficient form.
+"""Disentangled self-attention (DeBERTa §3.1), in the efficient form (DeBERTa §3.1.1).
 
 score(i,j) = [Qc_i·Kc_j + Qc_i·Kr[r(i,j)] + Kc_j·Qr[r(i,j)]] / sqrt(3d),  r(i,j) = clamp(bucket(i-j) + s, 0, 2s-1)
 
@@ -168,7 +168,8 @@ class DisentangledSelfAttention(nn.Module):
         c2p = torch.matmul(q, ks.pos_k.transpose(-1, -2))  # (B, nh, Mq, d) @ (nh, d, R) -> (B, nh, Mq, R)
         c2p = torch.gather(c2p, -1, rows[:, None].expand(b, nh, mq, tk))  # (B, nh, Mq, Tk)
         if p2c is None:
-            # p2c[i, j] = Kc_j·Qr[r(i, j)]: same index r(i, j) as c2p (the references' convention, SPEC.md)
+            # p2c[i, j] = Kc_j·Qr[r(i, j)]: same index r(i, j) as c2p, as HF deberta_v2 and microsoft/DeBERTa index it
+            # (DeBERTa §3.1 eq. 4 writes δ(j, i)); following the references keeps checkpoints interchangeable
             p2c = torch.matmul(ks.k, ks.pos_q.transpose(-1, -2))  # (B, nh, Tk, R)
             index = rows.transpose(1, 2)[:, None].expand(b, nh, tk, mq)  # (B, nh, Tk, Mq)
             p2c = torch.gather(p2c, -1, index).transpose(-1, -2)  # (B, nh, Tk, Mq) -> (B, nh, Mq, Tk)

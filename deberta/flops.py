@@ -19,9 +19,9 @@ An RTD step (`deberta.rtd`, DeBERTaV3) runs that MLM on the generator's configur
 discriminator's L full layers and its RTD head (dense 2·H² + classifier 2·H) at every token; the
 draws from the generator's softmax and the GDES embedding sum are elementwise and not counted.
 
-ALBERT's options (seed 004): a factorised embedding (E != H) adds the E -> H projection, 2·E·H at every
+ALBERT's options (ALBERT §3.1): a factorised embedding (E != H) adds the E -> H projection, 2·E·H at every
 token, and its LM head maps H -> E before the V x E decoder: 2·H·E + 2·E·V per target (2·H² + 2·H·V when
-E = H). Shared layers (`share_layers`) run at every depth as before: the same FLOPs, fewer parameters.
+E = H). Shared layers (`share_layers`) run at every depth: the same FLOPs, fewer parameters.
 The sentence-order head (`sop`) works once per *sequence*, so per token it is divided by T: in the MLM the
 last layer runs once more for the [CLS] query (Q, O, FFN, scores, A·V and c2p as one EMD query:
 4·H² + 4·H·I + 4·T·H + 2·R·H, plus p2c as T dot products, 2·T·H; K and V are the EMD's), then the pooler

@@ -32,7 +32,8 @@ from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification, 
 # Keys that exist only in our models (HF has no EMD).
 OURS_ONLY_PREFIXES = ("emd.",)
 BACKBONE_PREFIX = "deberta."
-# HF settings our architecture fixes (SPEC.md "HF interop"): anything else cannot be imported faithfully.
+# HF settings our architecture fixes (relative attention only, no absolute positions at the input, GELU, no token
+# types): anything else cannot be imported faithfully.
 _FIXED = {
     "relative_attention": True,
     "position_biased_input": False,
@@ -93,7 +94,7 @@ def from_hf_config(hf_cfg, source: str = "from_transformers") -> DebertaConfig:
     (`source` prefixes the message: the function or file the config came from)."""
     def refuse(field: str, got: Any, need: str) -> ValueError:
         return ValueError(f"{source}: config.{field}={got!r} is not supported (need {need}); our DeBERTa "
-                          f"implements the DeBERTa-v2/v3 architecture of SPEC.md only")
+                          f"implements the DeBERTa-v2/v3 architecture only")
 
     if getattr(hf_cfg, "model_type", "deberta-v2") != "deberta-v2":
         raise refuse("model_type", hf_cfg.model_type, "'deberta-v2'")

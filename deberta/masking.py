@@ -1,4 +1,4 @@
-"""Dynamic MLM masking at batch time: whole-word n-gram spans, 15%, 80/10/10 (SPEC.md "Pretraining").
+"""Dynamic MLM masking at batch time: whole-word n-gram spans, 15%, 80/10/10 (DeBERTa A.3, span masking).
 
 The procedure is the reference's (microsoft/DeBERTa `apps/tasks/mlm_task.py`, `NGramMaskGenerator`):
 group tokens into whole words (a SentencePiece piece starting with "▁" starts a word); walk the words

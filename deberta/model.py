@@ -1,4 +1,4 @@
-"""DeBERTa backbone and its two task models (SPEC.md "Model").
+"""DeBERTa backbone and its two task models (DeBERTa §3; the 1.5B shape of §5.3).
 
 * `DebertaModel`: word embedding (-> E x H projection when factorised) -> LayerNorm -> dropout (padding
   zeroed; no absolute positions), L post-LN layers of disentangled attention (optionally sharing weights
@@ -12,13 +12,13 @@
 Parameter names are those of HF `DebertaV2*` (`legacy=False` for the LM head), so `deberta.hf` converts
 checkpoints with a copy loop. Distribution (FSDP/ZeRO, compile) is applied from outside.
 
-ALBERT's parameter reductions (seed 004, `DebertaConfig.embedding_size` / `share_layers`):
+ALBERT's parameter reductions (ALBERT §3.1, `DebertaConfig.embedding_size` / `share_layers`):
 * Factorised embedding: a V x E table and `embeddings.embed_proj` (E -> H, no bias) before the embedding
   LayerNorm, as HF `DebertaV2Embeddings` does (ALBERT itself projects after its LayerNorm, with a bias). The LM
   head maps back to E (dense H -> E, GELU, LayerNorm(E)) before the tied V x E decoder: ALBERT's head and HF's
   legacy one (`cls.predictions.transform.*`). HF's `legacy=False` head cannot run with E != H (its dense stays
   H -> H, and the matmul with the V x E table fails), so for E != H our `lm_predictions.lm_head.*` tensors
-  correspond to HF's legacy names; for E == H the head is exactly the one it always was.
+  correspond to HF's legacy names; for E == H the head is HF's `legacy=False` one.
 * Shared layers: one module object per shared block, run at every depth, so its gradient is the sum over
   uses. "all": `encoder.layer` holds one layer; "attention"/"ffn": layer 0 owns the shared block and every
   other layer *borrows* it (an attribute outside the module tree: each parameter has one name, the state dict
@@ -401,7 +401,7 @@ def target_layout(targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class DebertaForMaskedLM(nn.Module):
-    """MLM with the Enhanced Mask Decoder (paper §3.2, A.8), optionally with ALBERT's SOP head (`sop=True`).
+    """MLM with the Enhanced Mask Decoder (DeBERTa §3.2, A.8), optionally with ALBERT's SOP head (`sop=True`).
 
     forward(input_ids, attention_mask, labels, sop_labels):
       labels given ((B, T), -100 = not a target): queries only at targets; returns loss (mean CE over

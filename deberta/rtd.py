@@ -1,4 +1,4 @@
-"""DeBERTaV3 pretraining: replaced token detection (RTD) with a DeBERTa generator (seed 001, SPEC.md "DeBERTaV3").
+"""DeBERTaV3 pretraining: replaced token detection (RTD) with a DeBERTa generator (DeBERTaV3 §3).
 
     model = RTDPretrainer(cfg, embedding_sharing="gdes", rtd_weight=50.0)
     out = model(input_ids=masked, attention_mask=mask, labels=labels)   # labels: original id at targets, -100 elsewhere
@@ -15,17 +15,17 @@ and `apps/models/replaced_token_detection_model.py`):
 
 * Generator input: the reference's. Its RTD task masks with `NGramMaskGenerator(max_gram=1, keep_prob=0,
   mask_prob=1)`: every target becomes [MASK] (`SpanMasker(..., max_ngram=1, mask_prob=1.0, random_prob=0.0)`
-  here). BERT's 80/10/10 (seed 001's text) exists to soften the [MASK] mismatch between pretraining and
+  here). BERT's 80/10/10 (DeBERTaV3 §2) exists to soften the [MASK] mismatch between pretraining and
   fine-tuning of the model that is fine-tuned; here that model is the discriminator, which never sees
   [MASK], and the generator is thrown away. Kept targets would instead show the generator the answer, so
   it learns to copy and replaces fewer tokens. The code itself reads the original token from `labels`,
   so an 80/10/10 input works too; only the masker's setting decides.
 * Discriminator: the plain backbone, no EMD. The reference `ReplacedTokenDetectionModel` runs all L
   encoder layers and puts its head on the last one; the EMD (and any absolute position) appears only in
-  the generator (`MaskedLanguageModel`). Seed 001 says the discriminator keeps the EMD; the code, and the
+  the generator (`MaskedLanguageModel`). DeBERTaV3 §3.1 says the discriminator keeps the EMD; the code, and the
   released V3 checkpoints (`position_biased_input=false`, no position table), say otherwise; we follow
   the code. The generator keeps `DebertaForMaskedLM`'s EMD, as in the reference config `rtd_*.json`
-  (relative attention, `position_biased_input=false`), not seed 001's "absolute position embeddings".
+  (relative attention, `position_biased_input=false`), not DeBERTaV3 §3.1's "absolute position embeddings".
 * RTD head: the reference's `LMMaskPredictionHead`, names included (`mask_predictions.dense`,
   `.LayerNorm`, `.classifier`, as in the HF hub's deberta-v3 files): LayerNorm(h_i + h_[CLS]) -> dense ->
   GELU -> one logit. BCE is averaged over every non-padding token ([CLS] and [SEP] included, as there);
@@ -195,7 +195,8 @@ class RTDPretrainer(nn.Module):
             raise ValueError(f"RTDPretrainer: embedding_sharing={embedding_sharing!r}; "
                              f"choose one of {EMBEDDING_SHARING}")
         if not (math.isfinite(rtd_weight) and rtd_weight >= 0):
-            raise ValueError(f"RTDPretrainer: rtd_weight={rtd_weight} must be a finite number >= 0 (seed 001 uses 50)")
+            raise ValueError(f"RTDPretrainer: rtd_weight={rtd_weight} must be a finite number >= 0 "
+                             f"(DeBERTaV3 §3.1 uses 50)")
         self.cfg = cfg
         self.generator_cfg = generator_config(cfg, generator_layers)
         self.embedding_sharing = embedding_sharing

@@ -1,9 +1,9 @@
-"""SiFT: scale-invariant fine-tuning (paper §4, SPEC.md "Fine-tuning"), as `DeBERTa/sift/sift.py` runs it.
+"""SiFT: scale-invariant fine-tuning (DeBERTa §4), as microsoft/DeBERTa `DeBERTa/sift/sift.py` runs it.
 
 The perturbation lives on the *normalised* word embeddings: the model (built with `sift=True`) applies
 a LayerNorm without affine to the word embeddings before the embedding LayerNorm, on clean and
 perturbed passes alike, and adds `embedding_delta` after it. Because the normalised embeddings have
-unit scale whatever the model size, one perturbation size suits every model (the paper's point).
+unit scale whatever the model size, one perturbation size suits every model (DeBERTa §4's point).
 
 One SiFT step, after the clean forward pass produced `clean_logits` (p = perturbed, c = clean):
   δ ~ N(0, 0.01²) clamped to ±0.02                                  (per token and feature)
