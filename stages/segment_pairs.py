@@ -1,4 +1,4 @@
-"""ALBERT's sentence-order prediction data (seed 004): rows `[CLS] A [SEP] B [SEP]` of two consecutive segments.
+"""ALBERT's sentence-order prediction data (ALBERT §3.1): rows `[CLS] A [SEP] B [SEP]` of two consecutive segments.
 
 ALBERT builds its positive pairs as BERT does: a document's sentences are gathered into a chunk of up to the
 sequence budget, and the chunk is cut between two of its sentences (a uniformly drawn number of them goes to A);

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from core.artifacts import Artifact
     from core.config import TokenizeConfig
 
-VERSION = "4"  # 4: segment pairs of whole sentences; 3: train split globally shuffled, doc_id column; 2: ...
+VERSION = "4"
 
 SUMMARY_FILE = "tokens.json"
 STAGING = ".packed"  # the packed, not yet shuffled shards; removed before the artifact is complete
@@ -307,7 +307,7 @@ def write_permuted(group: pa.Table, out: str) -> pa.Table:
 def shuffle_train(shards: list[dict], staged: Path, out: Path, cfg: TokenizeConfig) -> list[dict]:
     """Write the staged train shards to out/train/ as one seeded uniform permutation of all their sequences.
 
-    The driver draws the permutation (8 bytes per train sequence: 640 MB for the paper's 160 GB of text) and
+    The driver draws the permutation (8 bytes per train sequence: 640 MB for DeBERTa's 160 GB of text) and
     ships each staged shard its slice; Ray Data's groupby then moves every sequence to the task writing its
     output shard (an all-to-all exchange through the object store, spilled to disk when larger), and that task
     writes them sorted by position. The output depends only on the staged shards and `seed`, not on how Ray

@@ -1,6 +1,6 @@
 """Corpus stage: ingest raw text, remove exact and near duplicates (MinHash LSH), shard 95/5.
 
-Following the paper (A.2) and Megatron-LM: character 5-gram MinHash, LSH banding to candidate
+Following DeBERTa A.2 and Megatron-LM: character 5-gram MinHash, LSH banding to candidate
 pairs, each candidate confirmed by its true Jaccard similarity (>= corpus.threshold), connected
 components of the confirmed pairs, one survivor per component (the smallest doc_id, so the choice
 depends on neither worker count nor block order). The Ray steps, this module's orchestration:
