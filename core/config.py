@@ -1,6 +1,7 @@
 """Typed, frozen configuration of the whole pipeline: plain data, no model code (and no torch).
 
-One dataclass per section; `PipelineConfig` composes them. Presets (pipeline/presets.py) build a
+One dataclass per section; `PipelineConfig` composes them. The [model] section is the model library's own
+`deberta.config.DebertaConfig` (torch-free): one class for the architecture, checked as it is built. Presets (pipeline/presets.py) build a
 `PipelineConfig`; the command line changes it only through `apply_overrides` ("section.key=value").
 
 Validation happens once, before any stage runs: every section checks its own fields (`Section.check`),
@@ -15,14 +16,17 @@ changing them never throws a finished artifact away.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from core.errors import ConfigError
+from deberta.config import EMBEDDING_SHARING, DebertaConfig, DebertaConfigError
 
 
 def _check(ok: bool, message: str) -> None:
@@ -38,7 +42,11 @@ def _positive(section: str, obj: Any, *names: str) -> None:
 
 @dataclass(frozen=True)
 class Section:
-    """A config section: its own checks, and which of its fields name *how* a stage runs, not *what* it makes."""
+    """A config section: its own checks, and which of its fields name *how* a stage runs, not *what* it makes.
+
+    `DebertaConfig`, the [model] section, follows the same protocol (`HOW`, `check`, `what`, `to_dict`) without
+    deriving from this class: the model library imports nothing above it.
+    """
 
     HOW: ClassVar[frozenset[str]] = frozenset()
 
@@ -55,70 +63,12 @@ class Section:
 
 ZERO_STAGES = (0, 1, 2, 3)
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-ATTN_IMPLS = ("sdpa", "math")
 OBJECTIVES = ("mlm", "rtd")
-SHARE_LAYERS = ("none", "all", "attention", "ffn")
-EMBEDDING_SHARING = ("gdes", "es", "nes")
 
 
 def check_zero_stage(stage: int, section: str) -> None:
     _check(stage in ZERO_STAGES, f"{section}.zero_stage={stage}: DeepSpeed ZeRO stages are 0, 1, 2 and 3 "
                                  f"(2 shards optimizer state + gradients, 3 also parameters)")
-
-
-@dataclass(frozen=True)
-class ModelConfig(Section):
-    """The architecture as plain data; `deberta.config.DebertaConfig` has the same fields and documents each
-    (the model library turns this section into its own config: `DebertaConfig.from_dict(model.to_dict())`)."""
-
-    vocab_size: int
-    """Embedding rows; >= the tokenizer length (vocab.vocab_size + [MASK]), padded up as the reference does."""
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    intermediate_size: int
-    hidden_dropout_prob: float = 0.1
-    attention_probs_dropout_prob: float = 0.1
-    max_position_embeddings: int = 512
-    """Longest sequence (the EMD's absolute position table has this many rows)."""
-    position_buckets: int = 0
-    """Log buckets of relative positions (256 for 1.5B); 0 = none."""
-    max_relative_positions: int = -1
-    """Relative distance range k; -1 = max_position_embeddings."""
-    share_att_key: bool = False
-    """Position projections shared with content (1.5B) or separate (base/large)."""
-    conv_kernel_size: int = 0
-    """Convolution beside the first layer (3 for 1.5B); 0 = none."""
-    norm_rel_ebd: bool = True
-    layer_norm_eps: float = 1e-7
-    pad_token_id: int = 0
-    initializer_range: float = 0.02
-    embedding_size: int = 0
-    """ALBERT's factorised embedding: a V x E word table projected to H; 0 = hidden_size (none)."""
-    share_layers: str = "none"
-    """ALBERT's cross-layer sharing: "none", "all", "attention" or "ffn"."""
-    attn_impl: str = "sdpa"
-    """Kernel of the attention: "sdpa" (fused, additive bias) or "math" (the same equation written out)."""
-
-    HOW: ClassVar[frozenset[str]] = frozenset({"attn_impl"})
-
-    def check(self) -> None:
-        _positive("model", self, "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                  "max_position_embeddings")
-        _check(self.hidden_size % self.num_attention_heads == 0,
-               f"model.hidden_size={self.hidden_size} is not a multiple of model.num_attention_heads="
-               f"{self.num_attention_heads}; pick heads so that hidden/heads is an integer")
-        _check(self.position_buckets >= 0 and self.position_buckets % 2 == 0,
-               f"model.position_buckets={self.position_buckets}: must be 0 (no buckets) or a positive even number")
-        _check(self.vocab_size > self.pad_token_id,
-               f"model.vocab_size={self.vocab_size} must exceed model.pad_token_id={self.pad_token_id}")
-        _check(self.attn_impl in ATTN_IMPLS, f"model.attn_impl={self.attn_impl!r}: use one of {', '.join(ATTN_IMPLS)}")
-        _check(self.embedding_size >= 0, f"model.embedding_size={self.embedding_size}: must be >= 1, or 0 for "
-                                         f"hidden_size (ALBERT uses 128)")
-        _check(self.share_layers in SHARE_LAYERS,
-               f"model.share_layers={self.share_layers!r}: use one of {', '.join(SHARE_LAYERS)}")
-        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
-            _check(0.0 <= getattr(self, name) < 1.0, f"model.{name}={getattr(self, name)}: must be in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -258,12 +208,13 @@ class PretrainConfig(Section):
     grad_clip: float = 1.0
     objective: str = "mlm"
     """"mlm": DeBERTa's masked LM with the EMD; "rtd": DeBERTaV3's replaced-token detection (a generator of
-    `generator_layers` trained with MLM, the discriminator on RTD; seed 001)."""
+    `generator_layers` trained with MLM, the discriminator on RTD; DeBERTaV3 §2.3). The objective's own checks
+    against the [model] section are `stages.pretrain.check_config`'s."""
     rtd_weight: float = 50.0
-    """lambda of L = L_MLM + lambda * L_RTD (objective=rtd; seed 001: 50, the reference code's default: 10)."""
+    """lambda of L = L_MLM + lambda * L_RTD (objective=rtd; DeBERTaV3 §2.3: 50, the reference code's default: 10)."""
     embedding_sharing: str = "gdes"
-    """Word embeddings of generator and discriminator (objective=rtd): "gdes" (gradient-disentangled: E_D =
-    sg(E_G) + E_delta), "es" (one table both losses update) or "nes" (two tables)."""
+    """Word embeddings of generator and discriminator (objective=rtd, DeBERTaV3 §3.2-3.3): "gdes"
+    (gradient-disentangled: E_D = sg(E_G) + E_delta), "es" (one table both losses update) or "nes" (two tables)."""
     generator_layers: int | None = None
     """Generator depth (objective=rtd); None: half the discriminator's (Table 10)."""
     sop: bool = False
@@ -310,7 +261,7 @@ class PretrainConfig(Section):
         _check(self.objective in OBJECTIVES, f"pretrain.objective={self.objective!r}: use mlm or rtd")
         _check(self.embedding_sharing in EMBEDDING_SHARING,
                f"pretrain.embedding_sharing={self.embedding_sharing!r}: use gdes, es or nes")
-        _check(self.rtd_weight > 0, f"pretrain.rtd_weight={self.rtd_weight}: must be > 0 (seed 001 uses 50)")
+        _check(self.rtd_weight > 0, f"pretrain.rtd_weight={self.rtd_weight}: must be > 0 (DeBERTaV3 uses 50)")
         _check(self.generator_layers is None or self.generator_layers >= 1,
                f"pretrain.generator_layers={self.generator_layers}: must be >= 1 (or none for half the depth)")
 
@@ -396,7 +347,8 @@ class FinetuneConfig(Section):
 class PipelineConfig:
     preset: str
     """Name of the preset this configuration started from."""
-    model: ModelConfig
+    model: DebertaConfig
+    """The architecture (`deberta.config.DebertaConfig`, each field documented there)."""
     corpus: CorpusConfig = field(default_factory=CorpusConfig)
     vocab: VocabConfig = field(default_factory=VocabConfig)
     tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
@@ -442,8 +394,23 @@ def _coerce(text: str, tp: Any, key: str) -> Any:
     return text
 
 
+@contextlib.contextmanager
+def _library_errors(section: str) -> Iterator[None]:
+    """The model library's own `DebertaConfigError` (a ValueError: deberta/ imports nothing of ours) as the
+    ConfigError the command line prints, its fields named as the pipeline spells them ("model.hidden_size=65")."""
+    try:
+        yield
+    except DebertaConfigError as e:
+        raise ConfigError(e.qualified(section)) from None
+
+
 def apply_overrides(cfg: PipelineConfig, overrides: list[str]) -> PipelineConfig:
-    """Apply "section.key=value" overrides, checking the section, the key and the value's type."""
+    """Apply "section.key=value" overrides, checking the section, the key and the value's type.
+
+    Each section is rebuilt once with all its changes (the last value of a key wins): the [model] section checks
+    itself as it is built, so fields that only fit together (hidden_size, num_attention_heads) change together.
+    """
+    changes: dict[str, dict[str, Any]] = {}
     for item in overrides:
         if "=" not in item or "." not in item.split("=", 1)[0]:
             raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. pretrain.max_steps=100")
@@ -456,8 +423,10 @@ def apply_overrides(cfg: PipelineConfig, overrides: list[str]) -> PipelineConfig
         if field_name not in hints or typing.get_origin(hints[field_name]) is ClassVar:
             known = ", ".join(f.name for f in dataclasses.fields(section))
             raise ConfigError(f"--set {key}: unknown key {field_name!r} in [{section_name}]; keys are {known}")
-        new_value = _coerce(value.strip(), hints[field_name], key)
-        cfg = dataclasses.replace(cfg, **{section_name: dataclasses.replace(section, **{field_name: new_value})})
+        changes.setdefault(section_name, {})[field_name] = _coerce(value.strip(), hints[field_name], key)
+    for section_name, fields in changes.items():
+        with _library_errors(section_name):
+            cfg = dataclasses.replace(cfg, **{section_name: dataclasses.replace(getattr(cfg, section_name), **fields)})
     return cfg
 
 
@@ -499,7 +468,8 @@ def check_finetune_trainer(f: FinetuneConfig) -> None:
 def validate(cfg: PipelineConfig) -> None:
     """Every section's own checks, then the invariants across sections; run before any stage."""
     for name in SECTIONS:
-        getattr(cfg, name).check()
+        with _library_errors(name):
+            getattr(cfg, name).check()
     v, t, f, m = cfg.vocab, cfg.tokenize, cfg.finetune, cfg.model
     tokenizer_len = v.vocab_size + 1  # [MASK] is appended after the SentencePiece pieces
     _check(m.vocab_size >= tokenizer_len,
@@ -508,9 +478,6 @@ def validate(cfg: PipelineConfig) -> None:
     p = cfg.pretrain
     _check(not p.sop or t.segment_pairs, "pretrain.sop=true needs segment pairs in the token shards; set "
                                          "tokenize.segment_pairs=true (or pretrain.sop=false)")
-    _check(p.objective != "rtd" or p.generator_layers is None or p.generator_layers <= m.num_hidden_layers,
-           f"pretrain.generator_layers={p.generator_layers} is deeper than the discriminator "
-           f"(model.num_hidden_layers={m.num_hidden_layers}); DeBERTaV3 uses half the depth (generator_layers=none)")
     for key, length in (("tokenize.max_seq_len", t.max_seq_len), ("finetune.max_seq_len", f.max_seq_len)):
         _check(length <= m.max_position_embeddings,
                f"{key}={length} exceeds model.max_position_embeddings={m.max_position_embeddings}; "

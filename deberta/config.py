@@ -21,6 +21,10 @@ ATTN_IMPLS = ("sdpa", "math")
 SHARE_LAYERS = ("none", "all", "attention", "ffn")
 """Cross-layer parameter sharing (ALBERT §3.1 and its Table 5 ablation): one set of weights for every layer
 ("all"), for every layer's attention block only ("attention") or feed-forward block only ("ffn")."""
+EMBEDDING_SHARING = ("gdes", "es", "nes")
+"""Word embeddings of an RTD generator and discriminator (DeBERTaV3 §3.2-3.3, `deberta.rtd`): gradient-disentangled
+("gdes"), one shared table ("es") or none shared ("nes"). Here, not in deberta.rtd, so the torch-free pipeline config
+checks against the same tuple."""
 
 
 class DebertaConfigError(ValueError):

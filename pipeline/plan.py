@@ -43,8 +43,6 @@ STAGES: tuple[StageSpec, ...] = (
               "Ray Tune sweep over the Table 9 grid (+SiFT), champion in the MLflow registry", finetune.dry_run),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
-EXTERNAL_INPUTS = ("raw", "task", "pretrain")
-"""Inputs that are not stage artifacts; "pretrain" only with `finetune.init` set (an existing checkpoint)."""
 FROM_CHECKPOINT_INPUTS = ("pretrain", "task")
 """The finetune stage's inputs when it starts from an external checkpoint: its directory holds the tokenizer."""
 
@@ -66,8 +64,8 @@ class PlannedStage:
     """The stage's resolved config sections, {section: dict} (every field, as logged)."""
     input_ids: dict[str, str]
     cached: bool
-    run: bool
-    """False for stages outside --only/--until that are only needed as (cached) inputs."""
+    selected: bool
+    """Asked for by --only/--until; False for stages only needed as (cached) inputs."""
     forced: bool = False
     """--force: recompute, discarding the stage's resumable state."""
 
@@ -93,5 +91,5 @@ def make_plan(cfg: PipelineConfig, store: ArtifactStore, external_ids: dict[str,
         forced = spec.name in force
         cached = store.find(spec.name, art_id) is not None and not forced
         plan.append(PlannedStage(spec, art_id, {s: getattr(cfg, s).to_dict() for s in spec.sections}, input_ids,
-                                 cached, run=only is None or spec.name == only, forced=forced))
+                                 cached, selected=only is None or spec.name == only, forced=forced))
     return plan

@@ -1,48 +1,48 @@
 """Presets are code: one function per model size, returning a complete `PipelineConfig`.
 
 `debug` fits a 2-core laptop in minutes; the others carry the paper's numbers (Table 8 for
-pretraining, Table 9 for the fine-tuning grids) for GPU clusters. The model shapes are SPEC.md's
-(1.5B = the reference `deberta-v2-xxlarge`); `deberta.config` builds the model from them.
+pretraining, Table 9 for the fine-tuning grids) for GPU clusters. The model shapes are DeBERTa §5.1's (large,
+base) and §5.3's (1.5B = the reference `deberta-v2-xxlarge`), DeBERTaV3's Table 10 and, for `debug`,
+`deberta.config.debug()`: each a `deberta.config.DebertaConfig`, the [model] section as the model library reads it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
-from core.config import (CorpusConfig, FinetuneConfig, ModelConfig, PipelineConfig, PretrainConfig, RayConfig,
-                             TokenizeConfig, VocabConfig)
+import deberta.config
+from core.config import (CorpusConfig, FinetuneConfig, PipelineConfig, PretrainConfig, RayConfig, TokenizeConfig,
+                         VocabConfig)
+from deberta.config import DebertaConfig, padded_vocab_size
 
-# Model shapes (SPEC.md). vocab_size is set per preset from its vocabulary (`_with_vocab`).
-MODEL_1_5B = ModelConfig(vocab_size=128_100, hidden_size=1536, num_hidden_layers=48, num_attention_heads=24,
-                         intermediate_size=6144, position_buckets=256, share_att_key=True, conv_kernel_size=3)
+# vocab_size is set per preset from its vocabulary (`_with_vocab`).
+MODEL_1_5B = DebertaConfig(vocab_size=128_100, hidden_size=1536, num_hidden_layers=48, num_attention_heads=24,
+                           intermediate_size=6144, position_buckets=256, share_att_key=True, conv_kernel_size=3)
 """48 x 1536, 24 heads, 256 log buckets over 512, shared position/content projections, conv beside layer 1."""
-MODEL_LARGE = ModelConfig(vocab_size=128_100, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                          intermediate_size=4096)
+MODEL_LARGE = DebertaConfig(vocab_size=128_100, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                            intermediate_size=4096)
 """24 x 1024, 16 heads, k = 512 without buckets, separate position projections."""
-MODEL_BASE = ModelConfig(vocab_size=128_100, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
-                         intermediate_size=3072)
+MODEL_BASE = DebertaConfig(vocab_size=128_100, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                           intermediate_size=3072)
 """12 x 768, 12 heads, k = 512 without buckets, separate position projections."""
-MODEL_DEBUG = ModelConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=3, num_attention_heads=2,
-                          intermediate_size=256, max_position_embeddings=128, position_buckets=16,
-                          share_att_key=True, conv_kernel_size=3)
-"""CPU-sized, shaped like the 1.5B (log buckets scaled to 16 over 128 positions, shared keys, conv)."""
-# DeBERTaV3 (seed 001, Table 10; microsoft/DeBERTa experiments/language_model/rtd_*.json): the released layout -
+# DeBERTaV3 (its Table 10; microsoft/DeBERTa experiments/language_model/rtd_*.json): the released layout -
 # 256 log buckets over 512, position projections shared with content, LayerNorm on the relative table, no conv.
 _V3 = dict(vocab_size=128_100, position_buckets=256, share_att_key=True, norm_rel_ebd=True, conv_kernel_size=0)
-MODEL_V3_XSMALL = ModelConfig(hidden_size=384, num_hidden_layers=12, num_attention_heads=6, intermediate_size=1536, **_V3)
-MODEL_V3_SMALL = ModelConfig(hidden_size=768, num_hidden_layers=6, num_attention_heads=12, intermediate_size=3072, **_V3)
-MODEL_V3_BASE = ModelConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072, **_V3)
-MODEL_V3_LARGE = ModelConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
-                             **_V3)
-MODELS = {"debug": MODEL_DEBUG, "deberta-base": MODEL_BASE, "deberta-large": MODEL_LARGE, "deberta-1.5b": MODEL_1_5B}
+MODEL_V3_XSMALL = DebertaConfig(hidden_size=384, num_hidden_layers=12, num_attention_heads=6, intermediate_size=1536,
+                                **_V3)
+MODEL_V3_SMALL = DebertaConfig(hidden_size=768, num_hidden_layers=6, num_attention_heads=12, intermediate_size=3072,
+                               **_V3)
+MODEL_V3_BASE = DebertaConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+                              **_V3)
+MODEL_V3_LARGE = DebertaConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+                               **_V3)
 
 # Table 9 grids (paper appendix A.5), per model size.
 GRID_1_5B = dict(dropout=(0.0, 0.15, 0.3), warmup_steps=(50, 100, 500, 1000),
                  lr=(1e-6, 3e-6, 5e-6), batch_size=(16, 32, 64))
 GRID_LARGE = dict(dropout=(0.0, 0.1, 0.15), warmup_steps=(50, 100, 500, 1000),
                   lr=(5e-6, 8e-6, 9e-6, 1e-5), batch_size=(16, 32, 48, 64))
-# DeBERTaV3 fine-tuning (seed 001): Table 9's dropout/warmup/batch protocol per size; it gives no learning-rate
+# DeBERTaV3 fine-tuning: Table 9's dropout/warmup/batch protocol per size; it gives no learning-rate
 # range (its Table 11 is not reproduced), so each size takes Table 9's for the same size.
 GRID_V3_LARGE = dict(dropout=(0.0, 0.15, 0.3), warmup_steps=(50, 100, 500, 1000),
                      lr=(5e-6, 8e-6, 9e-6, 1e-5), batch_size=(16, 32, 64))
@@ -54,10 +54,10 @@ PAPER_SEEDS = (0, 1, 2, 3, 4)
 PIECES_128K = 128_000  # the reference 1.5B vocabulary; [MASK] is appended as id 128,000
 
 
-def _with_vocab(model: ModelConfig, pieces: int) -> ModelConfig:
+def _with_vocab(model: DebertaConfig, pieces: int) -> DebertaConfig:
     """Embedding rows for `pieces` SentencePiece pieces + [MASK], padded up to a multiple of 100 as the
-    reference does (128,001 -> 128,100); `deberta.config.padded_vocab_size` is the library's version."""
-    return dataclasses.replace(model, vocab_size=math.ceil((pieces + 1) / 100) * 100)
+    reference does (128,001 -> 128,100)."""
+    return model.replace(vocab_size=padded_vocab_size(pieces + 1))
 
 
 def debug() -> PipelineConfig:
@@ -65,7 +65,7 @@ def debug() -> PipelineConfig:
     pieces = 4_000
     return PipelineConfig(
         preset="debug",
-        model=_with_vocab(MODEL_DEBUG, pieces),
+        model=_with_vocab(deberta.config.debug(), pieces),
         corpus=CorpusConfig(rows_per_shard=2_000),
         vocab=VocabConfig(vocab_size=pieces, sample_documents=20_000),
         tokenize=TokenizeConfig(max_seq_len=128, batch_size=128, rows_per_shard=20_000),
@@ -81,7 +81,7 @@ def debug() -> PipelineConfig:
     )
 
 
-def _paper(name: str, model, lr: float, workers: int, micro: int, zero: int, grid: dict, sift: bool,
+def _paper(name: str, model: DebertaConfig, lr: float, workers: int, micro: int, zero: int, grid: dict, sift: bool,
            ft_workers: int = 1) -> PipelineConfig:
     """Table 8 schedule: 2,048 x 512-token sequences per step, 10k warmup, 1M steps, AdamW."""
     return PipelineConfig(
@@ -120,7 +120,7 @@ def debug_v3() -> PipelineConfig:
     return dataclasses.replace(cfg, preset="debug-v3", pretrain=dataclasses.replace(cfg.pretrain, objective="rtd"))
 
 
-def _v3(name: str, model: ModelConfig, lr: float, workers: int, micro: int, grid: dict) -> PipelineConfig:
+def _v3(name: str, model: DebertaConfig, lr: float, workers: int, micro: int, grid: dict) -> PipelineConfig:
     """Table 10: 8,192 x 512-token sequences per step, 500k steps, 10k warmup, Adam eps 1e-6 and betas (0.9, 0.98),
     weight decay 0.01, clipping 1.0, dropout 0.1; RTD with lambda 50 and GDES; the 128K vocabulary."""
     return PipelineConfig(

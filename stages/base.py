@@ -22,8 +22,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from deberta.config import DebertaConfig
-    from core.config import ModelConfig
     from core.lineage import Tracker
 
 
@@ -63,10 +61,3 @@ class StageResult:
     """Files (relative to `out`) to log as MLflow artifacts of the stage run (reports, plots)."""
     summary: dict[str, str] = field(default_factory=dict)
     """Short facts for the end-of-run summary (e.g. registered model versions)."""
-
-
-def model_config(model: "ModelConfig") -> "DebertaConfig":
-    """The [model] section (plain data) as the model library's own config."""
-    from deberta.config import DebertaConfig
-
-    return DebertaConfig.from_dict(model.to_dict())

@@ -68,9 +68,9 @@ def test_plan_only_and_until(tmp_path):
     store = ArtifactStore(tmp_path)
     cfg = PRESETS["debug"]()
     until = make_plan(cfg, store, {"raw": "r1", "task": "t1"}, until="vocab")
-    assert [s.spec.name for s in until] == ["corpus", "vocab"] and all(s.run for s in until)
+    assert [s.spec.name for s in until] == ["corpus", "vocab"] and all(s.selected for s in until)
     only = make_plan(cfg, store, {"raw": "r1", "task": "t1"}, only="vocab")
-    assert [(s.spec.name, s.run) for s in only] == [("corpus", False), ("vocab", True)]
+    assert [(s.spec.name, s.selected) for s in only] == [("corpus", False), ("vocab", True)]
     with pytest.raises(ValueError, match="unknown stage 'nope'"):
         make_plan(cfg, store, {"raw": "r1"}, until="nope")
 

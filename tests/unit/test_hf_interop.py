@@ -17,7 +17,7 @@ from deberta import hf
 from deberta.config import DebertaConfig, debug
 from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification, DebertaModel, num_parameters
 from core.config import VocabConfig
-from pipeline.presets import MODELS
+from pipeline.presets import PRESETS
 from core.tokenizer import MODEL_FILE, SPECIAL_FILE, Tokenizer
 from stages.vocab import train_model
 
@@ -139,7 +139,7 @@ def test_unsupported_hf_configs_are_refused():
 
 @pytest.mark.parametrize("preset", ["deberta-base", "deberta-large", "deberta-1.5b"])
 def test_parameter_counts_equal_hf_on_meta(preset):
-    cfg = DebertaConfig.from_dict(MODELS[preset].to_dict())
+    cfg = PRESETS[preset]().model
     with torch.device("meta"):
         theirs = tf.DebertaV2Model(hf.to_hf_config(cfg))
     assert num_parameters(cfg) == sum(p.numel() for p in theirs.parameters())

@@ -11,10 +11,7 @@ import torch.nn.functional as F
 
 from deberta.attention import log_bucket_position, relative_index
 from deberta.config import DebertaConfig, debug, padded_vocab_size
-from pipeline.presets import MODELS
-
-PRESETS = {name: (lambda m=m: DebertaConfig.from_dict(m.to_dict())) for name, m in MODELS.items()}
-"""The pipeline presets' shapes as model configs."""
+from pipeline.presets import MODEL_1_5B, MODEL_BASE, MODEL_LARGE
 from deberta.flops import forward_flops_per_token, reachable_rows, train_flops_per_token
 from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification, DebertaModel, num_parameters
 
@@ -47,9 +44,9 @@ def test_bucket_mapping_matches_spec_formula():
     for d, b in zip(deltas.tolist(), got.tolist()):
         want = d if abs(d) <= mid else int(math.copysign(math.ceil(math.log(abs(d) / mid) / math.log((max_pos - 1) / mid) * (mid - 1)) + mid, d))
         assert b == want, (d, b, want)
-    rows = relative_index(deltas, PRESETS["deberta-1.5b"]())
+    rows = relative_index(deltas, MODEL_1_5B)
     assert rows.min() >= 0 and rows.max() <= 2 * 256 - 1
-    assert int(relative_index(torch.tensor([511]), PRESETS["deberta-1.5b"]())) == 511  # the last bucket
+    assert int(relative_index(torch.tensor([511]), MODEL_1_5B)) == 511  # the last bucket
 
 
 def _naive_layer_attention(layer, x: torch.Tensor, table: torch.Tensor, cfg: DebertaConfig) -> torch.Tensor:
@@ -207,15 +204,14 @@ def test_config_is_frozen_validated_and_presets():
     with pytest.raises(ValueError, match="attn_impl"):
         debug(attn_impl="flash")
     assert DebertaConfig.from_dict(cfg.to_dict()) == cfg
-    assert set(PRESETS) == {"debug", "deberta-base", "deberta-large", "deberta-1.5b"}
     assert padded_vocab_size(128_001) == 128_100 and padded_vocab_size(128_000, 128) == 128_000
-    big = PRESETS["deberta-1.5b"]()
+    big = MODEL_1_5B
     assert (big.num_hidden_layers, big.hidden_size, big.att_span, big.share_att_key, big.conv_kernel_size) == (48, 1536, 256, True, 3)
-    assert PRESETS["deberta-base"]().att_span == 512 and not PRESETS["deberta-large"]().share_att_key
+    assert MODEL_BASE.att_span == 512 and not MODEL_LARGE.share_att_key
 
 
 def test_parameter_count_1_5b_on_meta_device():
-    cfg = PRESETS["deberta-1.5b"]()
+    cfg = MODEL_1_5B
     assert num_parameters(cfg) == 1_564_549_632
     # the MLM adds the LM head (dense + LayerNorm + bias; decoder tied) and the EMD position table
     h = cfg.hidden_size
@@ -224,7 +220,7 @@ def test_parameter_count_1_5b_on_meta_device():
 
 
 def test_flops_are_6n_plus_attention():
-    cfg = PRESETS["deberta-base"]()
+    cfg = MODEL_BASE
     with torch.device("meta"):
         model = DebertaModel(cfg)
     matmul_params = sum(p.numel() for n, p in model.encoder.layer.named_parameters()
