@@ -102,7 +102,7 @@ def claim(plan: list[PlannedStage], store: ArtifactStore, workdir: Path,
     """Hold the locks of every artifact the plan builds for the block's duration (RunConflict if another live run
     holds one), then remove the leftovers of dead runs. Each takeover and removal is said in one line."""
     planned = {st.spec.name for st in plan}
-    builds = [st for st in plan if st.run and not st.cached]
+    builds = [st for st in plan if st.selected and not st.cached]
     held: list[locks.Lock] = []
     try:
         for st in builds:

@@ -144,7 +144,7 @@ def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path
 def print_plan(plan: list[PlannedStage]) -> None:
     print("plan:")
     for st in plan:
-        state = ("cached (skip)" if st.cached else "run" if st.run else "needed input, not built: error")
+        state = ("cached (skip)" if st.cached else "run" if st.selected else "needed input, not built: error")
         state += " (--force: recomputed from scratch)" if st.forced else ""
         print(f"  {st.spec.name:<9} {st.artifact_id}  {state}")
 
@@ -166,7 +166,7 @@ def from_checkpoint(args: argparse.Namespace, cfg: PipelineConfig, objects: dict
     tokenizer's size (then validated like any config)."""
     from sentencepiece import SentencePieceProcessor
 
-    from core.config import ModelConfig
+    from deberta.config import DebertaConfig
     from core.tokenizer import MODEL_FILE
     from core.errors import StageInputError
     from stages.finetune.data import checkpoint_model_section
@@ -174,7 +174,7 @@ def from_checkpoint(args: argparse.Namespace, cfg: PipelineConfig, objects: dict
     try:
         ckpt = objects["pretrain"]
         pieces = SentencePieceProcessor(model_file=str(Path(ckpt.path) / MODEL_FILE)).vocab_size()
-        cfg = dataclasses.replace(cfg, model=ModelConfig(**checkpoint_model_section(ckpt)),
+        cfg = dataclasses.replace(cfg, model=DebertaConfig(**checkpoint_model_section(ckpt)),
                                   vocab=dataclasses.replace(cfg.vocab, vocab_size=pieces))
         cfg = apply_overrides(cfg, [o for o in args.overrides if o.startswith("model.")])  # --set still wins
         validate(cfg)
@@ -198,7 +198,7 @@ def _main(args: argparse.Namespace) -> int:
         plan = make_plan(cfg, store, ext_ids, only=args.only, until=args.until, force=tuple(args.force))
     except ValueError as e:
         raise UserError(str(e)) from None
-    missing = [s.spec.name for s in plan if not s.run and not s.cached]
+    missing = [s.spec.name for s in plan if not s.selected and not s.cached]
     if missing:
         raise UserError(f"--only {args.only} needs {', '.join(missing)} built first; run with --until {args.only}")
     print_plan(plan)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     import torch
 
     from deberta.config import DebertaConfig
-    from core.config import FinetuneConfig, ModelConfig
+    from core.config import FinetuneConfig
     from stages.finetune.tasks import Split, TaskRef
 
 # architecture fields that must agree between the run's model config and the pretrained checkpoint
@@ -173,7 +173,7 @@ def checkpoint_model_section(ckpt: ExternalCheckpoint) -> dict[str, Any]:
     return _hf_config(ckpt).to_dict()
 
 
-def pretrained_dirs(inputs: dict[str, Any], model: "ModelConfig") -> tuple[Path, Path]:
+def pretrained_dirs(inputs: dict[str, Any], model: "DebertaConfig") -> tuple[Path, Path]:
     """(checkpoint dir, tokenizer dir) of the pretrained artifact, checked against the run's model config."""
     from deberta import checkpoint
 
@@ -212,7 +212,7 @@ def backbone_weights(ckpt_dir: Path) -> dict[str, "torch.Tensor"]:
     return {k: v for k, v in state.items() if k.startswith(checkpoint.BACKBONE_PREFIX)}
 
 
-def load_pretrained(inputs: dict[str, Any], model: "ModelConfig", scratch: Path) -> tuple[Path, dict[str, "torch.Tensor"]]:
+def load_pretrained(inputs: dict[str, Any], model: "DebertaConfig", scratch: Path) -> tuple[Path, dict[str, "torch.Tensor"]]:
     """(tokenizer directory, backbone weights) to fine-tune from: the pretrain artifact, or an external HF
     checkpoint (`deberta.hf.load_backbone` reads it field by field; its spm.model becomes our tokenizer layout)."""
     art = inputs.get("pretrain")
