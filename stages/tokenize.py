@@ -160,13 +160,13 @@ class PackDocuments:
         batch would repeat the vocabulary's dictionary page every ~80 sequences), so memory stays at one
         row group plus one batch whatever `rows_per_shard` is.
         """
-        shard: _Shard | None = None
+        shard: ShardWriter | None = None
         k, cpu = 0, time.process_time()  # a shard's CPU time includes encoding its first batch
         for table in self.packed_batches(path, row_group):
             while len(table):
                 if shard is None:
                     suffix = "arrow" if split == "train" else "parquet"  # train: staged for the shuffle
-                    shard = _Shard(self.out, f"{split}/part-{unit:05d}-{k:03d}.{suffix}", table.schema, cpu)
+                    shard = ShardWriter(self.out, f"{split}/part-{unit:05d}-{k:03d}.{suffix}", table.schema, cpu)
                 take = min(len(table), self.rows_per_shard - shard.rows)
                 shard.add(table.slice(0, take))
                 table = table.slice(take)
@@ -177,7 +177,7 @@ class PackDocuments:
             yield shard.close()
 
 
-class _Shard:
+class ShardWriter:
     """One output file being written: whole row groups of ROW_GROUP_ROWS sequences, its counts and CPU time.
 
     A name ending in .arrow is a staged train shard, read once by the shuffle: Arrow IPC, written and
@@ -297,7 +297,7 @@ def write_permuted(group: pa.Table, out: str) -> pa.Table:
     cpu = time.process_time()
     shard = int(group.column("shard")[0].as_py())
     rows = group.sort_by("position").drop_columns(["position", "shard"])
-    writer = _Shard(Path(out), f"train/part-{shard:05d}.parquet", rows.schema, cpu)
+    writer = ShardWriter(Path(out), f"train/part-{shard:05d}.parquet", rows.schema, cpu)
     writer.add(rows)
     name, sequences, tokens, seconds = writer.close()
     return pa.table({"split": ["train"], "file": [name], "sequences": [sequences], "tokens": [tokens],

@@ -34,11 +34,11 @@ import numpy as np
 import xxhash
 
 # Control characters (C0, C1), zero-width/format characters and every whitespace run collapse to one space.
-_SPACE_RE = re.compile(r"[\s\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202f\u2060\ufeff]+")
-# The characters of _SPACE_RE that str.split() does not split on (not str.isspace()): a text without
+SPACE_RE = re.compile(r"[\s\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202f\u2060\ufeff]+")
+# The characters of SPACE_RE that str.split() does not split on (not str.isspace()): a text without
 # them normalises with split/join, 3x faster than the regex (tests/unit/test_minhash.py checks every code point).
-_NOT_SPACE_RE = re.compile(r"[\x00-\x08\x0e-\x1b\x7f-\x84\x86-\x9f\u200b-\u200f\u202a-\u202e\u2060\ufeff]")
-_ASCII_SPACE = bytes(32 if c <= 32 or c == 127 else c for c in range(256))  # ASCII members of _SPACE_RE -> " "
+NOT_SPACE_RE = re.compile(r"[\x00-\x08\x0e-\x1b\x7f-\x84\x86-\x9f\u200b-\u200f\u202a-\u202e\u2060\ufeff]")
+_ASCII_SPACE = bytes(32 if c <= 32 or c == 127 else c for c in range(256))  # ASCII members of SPACE_RE -> " "
 _POLY = np.uint64(0x9E3779B97F4A7C15)  # odd multiplier of the rolling n-gram hash
 _PAD = np.uint64(0xFFFFFFFFFFFFFFFF)  # padding of sorted rows: sorts last (ties with a real max value are harmless)
 SHINGLE_CHUNK = 1 << 18  # characters shingled per numpy pass (a few MiB of uint64 temporaries)
@@ -54,7 +54,7 @@ FALSE_NEGATIVE_WEIGHT = 0.9
 def normalize(text: str) -> str:
     """The text that is hashed (exact duplicates) and shingled (near duplicates); never stored.
 
-    NFC, then every run of _SPACE_RE characters -> one space, no edge spaces. Same result three ways,
+    NFC, then every run of SPACE_RE characters -> one space, no edge spaces. Same result three ways,
     fastest first: ASCII bytes (translate, then halve runs of spaces until none is left), text without
     controls (str.split), the regex.
     """
@@ -64,9 +64,9 @@ def normalize(text: str) -> str:
         while b"  " in raw:
             raw = raw.replace(b"  ", b" ")
         return raw.strip(b" ").decode("ascii")
-    if _NOT_SPACE_RE.search(text) is None:
+    if NOT_SPACE_RE.search(text) is None:
         return " ".join(text.split())
-    return _SPACE_RE.sub(" ", text).strip()
+    return SPACE_RE.sub(" ", text).strip()
 
 
 def _fmix64(h: np.ndarray) -> np.ndarray:
@@ -222,11 +222,6 @@ def unique_sets(hashes: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np
     return flat[keep], new_offsets
 
 
-def shingle_set(norm_text: str, kind: str = "char", size: int = 5) -> np.ndarray:
-    """Sorted unique shingle hashes of one normalised text."""
-    return unique_sets(*batch_shingles([norm_text], kind, size))[0]
-
-
 def intersections(values: np.ndarray, offsets: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """|set_a ∩ set_b| for every pair (a[i], b[i]) of CSR sets (each sorted unique).
 
@@ -254,12 +249,6 @@ def jaccard_pairs(values: np.ndarray, offsets: np.ndarray, a: np.ndarray, b: np.
     inter = intersections(values, offsets, a, b)
     union = np.diff(offsets)[a] + np.diff(offsets)[b] - inter
     return np.where(union > 0, inter / np.maximum(union, 1), 1.0)
-
-
-def jaccard(a: np.ndarray, b: np.ndarray) -> float:
-    """Jaccard similarity of two sorted unique uint64 arrays."""
-    values, offsets = np.concatenate([a, b]), np.array([0, len(a), len(a) + len(b)])
-    return float(jaccard_pairs(values, offsets, np.array([0]), np.array([1]))[0])
 
 
 # ---------------------------------------------------------------- MinHash and LSH

@@ -22,7 +22,8 @@ from stages import corpus
 from core.errors import StageInputError
 from stages.base import StageContext
 from stages.corpus.ingest import list_sources, read_file
-from stages.corpus.minhash import jaccard, normalize, shingle_set
+from stages.corpus.minhash import normalize
+from tests.shingles import jaccard, shingle_set
 
 FIFTY_MB = 50 * 1024 * 1024
 

@@ -12,9 +12,10 @@ import unicodedata
 import numpy as np
 import pytest
 
-from stages.corpus.minhash import (_NOT_SPACE_RE, _SPACE_RE, MinHasher, band_keys, batch_shingles, candidate_pairs,
-                                   jaccard, jaccard_pairs, lsh_params, normalize, run_pairs, shingle_hashes,
-                                   shingle_set, shingle_sets, unique_sets)
+from stages.corpus.minhash import (NOT_SPACE_RE, SPACE_RE, MinHasher, band_keys, batch_shingles, candidate_pairs,
+                                   jaccard_pairs, lsh_params, normalize, run_pairs, shingle_hashes, shingle_sets,
+                                   unique_sets)
+from tests.shingles import jaccard, shingle_set
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +49,11 @@ def test_normalize_unifies_unicode_forms_controls_and_whitespace():
 def test_normalize_fast_paths_agree_with_the_regex_on_every_code_point(articles):
     """A character splits a text in the fast paths iff the regex collapses it: checked for all of Unicode."""
     for c in map(chr, range(0x110000)):
-        assert bool(_SPACE_RE.fullmatch(c)) == (c.isspace() or bool(_NOT_SPACE_RE.fullmatch(c))), hex(ord(c))
+        assert bool(SPACE_RE.fullmatch(c)) == (c.isspace() or bool(NOT_SPACE_RE.fullmatch(c))), hex(ord(c))
     rng = np.random.default_rng(0)
     for text in articles[:50]:
         noisy = text.replace(" ", rng.choice([" ", "\u00a0 ", "\u200b", "\t\n"]), 40)
-        assert normalize(noisy) == _SPACE_RE.sub(" ", unicodedata.normalize("NFC", noisy)).strip()
+        assert normalize(noisy) == SPACE_RE.sub(" ", unicodedata.normalize("NFC", noisy)).strip()
 
 
 def test_shingle_jaccard_equals_exact_string_jaccard(articles):

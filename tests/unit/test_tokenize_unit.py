@@ -73,7 +73,7 @@ def test_sample_is_independent_of_sharding_and_order(tmp_path):
 
 
 def test_shard_writes_whole_row_groups_whatever_the_batches(tmp_path):
-    from stages.tokenize import ROW_GROUP_ROWS, _Shard
+    from stages.tokenize import ROW_GROUP_ROWS, ShardWriter
 
     rng = np.random.default_rng(1)
     shard = None
@@ -81,7 +81,7 @@ def test_shard_writes_whole_row_groups_whatever_the_batches(tmp_path):
         rows, lengths, _ = pack([rng.integers(4, 100, size=int(n)).tolist() for n in rng.integers(50, 600, 80)],
                              max_seq_len=8, cls_id=CLS, sep_id=SEP, pad_id=PAD)
         table = to_table(rows[:65], lengths[:65], ["d"] * 65)
-        shard = shard or _Shard(tmp_path, "part.parquet", table.schema, 0.0)
+        shard = shard or ShardWriter(tmp_path, "part.parquet", table.schema, 0.0)
         shard.add(table)
     name, sequences, tokens, _ = shard.close()
     meta = pq.ParquetFile(tmp_path / name).metadata
