@@ -15,7 +15,7 @@ and `apps/models/replaced_token_detection_model.py`):
 
 * Generator input: the reference's. Its RTD task masks with `NGramMaskGenerator(max_gram=1, keep_prob=0,
   mask_prob=1)`: every target becomes [MASK] (`SpanMasker(..., max_ngram=1, mask_prob=1.0, random_prob=0.0)`
-  here). BERT's 80/10/10 (DeBERTaV3 §2) exists to soften the [MASK] mismatch between pretraining and
+  here). BERT's 80/10/10 (DeBERTaV3 §2.3) exists to soften the [MASK] mismatch between pretraining and
   fine-tuning of the model that is fine-tuned; here that model is the discriminator, which never sees
   [MASK], and the generator is thrown away. Kept targets would instead show the generator the answer, so
   it learns to copy and replaces fewer tokens. The code itself reads the original token from `labels`,
@@ -67,11 +67,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deberta.config import DebertaConfig
+from deberta.config import EMBEDDING_SHARING, DebertaConfig
 from deberta.model import (IGNORE_INDEX, DebertaForMaskedLM, DebertaModel, SentenceOrderHead, init_weights,
                            sop_outputs)
 
-EMBEDDING_SHARING = ("gdes", "es", "nes")
 GENERATOR_PREFIX = "generator."
 DISCRIMINATOR_PREFIX = "discriminator.deberta."
 HEAD_PREFIX = "discriminator.mask_predictions."
@@ -196,7 +195,7 @@ class RTDPretrainer(nn.Module):
                              f"choose one of {EMBEDDING_SHARING}")
         if not (math.isfinite(rtd_weight) and rtd_weight >= 0):
             raise ValueError(f"RTDPretrainer: rtd_weight={rtd_weight} must be a finite number >= 0 "
-                             f"(DeBERTaV3 §3.1 uses 50)")
+                             f"(DeBERTaV3 §2.3 uses 50)")
         self.cfg = cfg
         self.generator_cfg = generator_config(cfg, generator_layers)
         self.embedding_sharing = embedding_sharing
