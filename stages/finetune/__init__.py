@@ -64,7 +64,7 @@ def run(cfg: FinetuneConfig, *, model: ModelConfig, inputs: dict[str, Any], out:
                             **({"init.source": init.source, "init.digest": init.id} if init else {})})
 
     grid = run_sweep(cfg, setup, data, weights, ctx.storage_path,
-                     ctx.run_name, callbacks=[_trial_runs_callback(ctx.tracker, metric)])
+                     ctx.run_name, callbacks=[_trial_runs_callback(ctx.tracker, metric, ctx.run_name)])
     table = results_table(grid, metric)
     table.drop(columns=["trial_path"]).to_csv(out / "results.csv", index=False)
     plot_sweep(table, metric, baseline, out / "sweep.png", f"{task.name}: {ctx.preset}, sweep {ctx.artifact_id}")

@@ -4,10 +4,16 @@ Every combination of task-layer dropout x warmup steps x learning rate x batch s
 (`tune.grid_search`), optionally cut short by ASHA on the dev metric. The driver hands the token arrays and the
 backbone weights to every trial through the object store (`tune.with_parameters`), so trials need no shared
 filesystem. Selection: the grid point with the best dev metric (mean over seeds), then its best seed's best epoch.
+
+Faults: a trial whose process, worker or node dies is retried `finetune.max_failures` times (Tune's FailureConfig),
+from its newest checkpoint where it has one (trial.py). A re-run of a stage whose driver died restores the Tune
+experiment under the same storage path (`Tuner.restore`): finished trials keep their results, the others continue,
+and every trial keeps its one MLflow run. `--force finetune` removes the experiment, so the sweep starts afresh.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,9 +45,19 @@ def grid_size(cfg: FinetuneConfig) -> int:
     return math.prod(len(getattr(cfg, k)) for k in (*GRID_KEYS, "seeds"))
 
 
-def _trial_runs_callback(parent, metric: str):
+def _existing_trial_runs(parent, experiment: str) -> dict[str, Any]:
+    """trial id -> the MLflow run (entity) of each trial of Tune experiment `experiment` already in the store."""
+    runs = parent.client.search_runs([parent.experiment_id], f"tags.`tune.experiment` = '{experiment}'",
+                                     max_results=50_000)
+    return {r.data.tags["tune.trial_id"]: r for r in runs}
+
+
+def _trial_runs_callback(parent, metric: str, experiment: str):
     """A Tune callback mirroring each trial as a nested MLflow run of the stage's run.
 
+    One run per trial for the life of the Tune experiment, keyed by (experiment, trial id): a trial restarted by
+    a retry, or continued by a restored sweep, logs into the run it had from the epoch after the last one logged
+    there; at the end every trial's run hangs under the stage run that finished the sweep.
     Written here rather than Ray's MLflowLoggerCallback, which cannot nest under a run it did not start and
     would import mlflow outside core/lineage.py.
     """
@@ -50,16 +66,37 @@ def _trial_runs_callback(parent, metric: str):
     class TrialRuns(tune.Callback):
         def __init__(self):
             self.runs: dict[str, Any] = {}
+            self.logged: dict[str, int] = {}  # trial id -> last epoch in its run
+            self.known: dict[str, Any] = {}
+
+        def setup(self, **info):
+            self.known = _existing_trial_runs(parent, experiment)
 
         def on_trial_start(self, iteration, trials, trial, **info):
-            run = parent.child(f"trial-{trial.trial_id}", {"tune.trial_id": trial.trial_id,
-                                                           "tune.trial_name": str(trial)})
-            run.log_params(dict(trial.config))
+            if trial.trial_id in self.runs:  # restarted after a failure: the same run
+                return
+            known = self.known.get(trial.trial_id)
+            if known is None:
+                run = parent.child(f"trial-{trial.trial_id}", {"tune.trial_id": trial.trial_id,
+                                                               "tune.trial_name": str(trial),
+                                                               "tune.experiment": experiment})
+                run.log_params(dict(trial.config))
+                self.logged[trial.trial_id] = 0
+            else:  # started by an earlier attempt of the stage
+                run = dataclasses.replace(parent, run_id=known.info.run_id)
+                run.set_tags({"mlflow.parentRunId": parent.run_id})
+                run.client.update_run(run.run_id, status="RUNNING")
+                history = run.client.get_metric_history(run.run_id, "train_loss")
+                self.logged[trial.trial_id] = max((int(m.step) for m in history), default=0)
             self.runs[trial.trial_id] = run
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
+            epoch = int(result["epoch"])
+            if epoch <= self.logged.get(trial.trial_id, 0):  # an epoch repeated after a resume
+                return
             keys = [k for k in result if k.startswith("dev_") or k in ("train_loss", "sift_loss", "lr")]
-            self.runs[trial.trial_id].log_metrics({k: result[k] for k in keys}, step=int(result["epoch"]))
+            self.runs[trial.trial_id].log_metrics({k: result[k] for k in keys}, step=epoch)
+            self.logged[trial.trial_id] = epoch
 
         def on_trial_complete(self, iteration, trials, trial, **info):
             run = self.runs.pop(trial.trial_id, None)
@@ -72,6 +109,13 @@ def _trial_runs_callback(parent, metric: str):
             run = self.runs.pop(trial.trial_id, None)
             if run is not None:
                 run.end("FAILED")
+
+        def on_experiment_end(self, trials, **info):
+            # trials an earlier attempt finished: adopted by this attempt's stage run
+            for trial in trials:
+                known = self.known.get(trial.trial_id)
+                if known is not None and known.data.tags.get("mlflow.parentRunId") != parent.run_id:
+                    parent.client.set_tag(known.info.run_id, "mlflow.parentRunId", parent.run_id)
 
     return TrialRuns()
 
@@ -111,17 +155,25 @@ def run_sweep(cfg: FinetuneConfig, setup: "TrialSetup", data: tuple[Encoded, Enc
     if cfg.scheduler == "asha":  # grace 1 epoch, halve at each rung; time unit = epochs (one report each)
         scheduler = ASHAScheduler(time_attr="training_iteration", max_t=cfg.epochs, grace_period=1,
                                   reduction_factor=2)
-    tuner = tune.Tuner(
-        tune.with_resources(trainable, resources),
-        param_space=param_space(cfg),
-        tune_config=tune.TuneConfig(metric=metric, mode="max", scheduler=scheduler,
-                                    max_concurrent_trials=cfg.max_concurrent_trials),
-        run_config=tune.RunConfig(
-            storage_path=storage_path, name=name, callbacks=callbacks or [], verbose=1,
-            checkpoint_config=tune.CheckpointConfig(num_to_keep=1, checkpoint_score_attribute=metric,
-                                                    checkpoint_score_order="max"),
-            failure_config=tune.FailureConfig(max_failures=0)),
-    )
+    run_config = tune.RunConfig(
+        storage_path=storage_path, name=name, callbacks=callbacks or [], verbose=1,
+        checkpoint_config=tune.CheckpointConfig(num_to_keep=1, checkpoint_score_attribute=metric,
+                                                checkpoint_score_order="max"),
+        failure_config=tune.FailureConfig(max_failures=cfg.max_failures))
+    trainable = tune.with_resources(trainable, resources)
+    experiment = f"{storage_path.rstrip('/')}/{name}"
+    if tune.Tuner.can_restore(experiment):
+        print(f"[finetune] resuming the Tune experiment {experiment} of an earlier attempt: its finished trials "
+              f"are kept, the others continue from their newest checkpoint", flush=True)
+        tuner = tune.Tuner.restore(experiment, trainable, resume_errored=True, param_space=param_space(cfg))
+        if tuner._local_tuner is not None:
+            # Tuner.restore brings back the first attempt's pickled RunConfig: this attempt's callbacks log under
+            # this attempt's stage run, and max_failures (a how field) may have changed since
+            tuner._local_tuner._run_config = run_config
+    else:
+        tuner = tune.Tuner(trainable, param_space=param_space(cfg), run_config=run_config,
+                           tune_config=tune.TuneConfig(metric=metric, mode="max", scheduler=scheduler,
+                                                       max_concurrent_trials=cfg.max_concurrent_trials))
     print(tensorboard_hint(storage_path, name, metric), flush=True)
     grid = tuner.fit()
     errors = [r.error for r in grid if r.error is not None]
@@ -136,14 +188,20 @@ def results_table(grid, metric: str):
 
     rows = []
     for r in grid:
-        hist = r.metrics_dataframe
+        # a trial resumed from an epoch checkpoint may repeat epochs its lost process had already reported
+        hist = r.metrics_dataframe.drop_duplicates("epoch", keep="last").reset_index(drop=True)
         best = hist.loc[hist[metric].idxmax()]
         row = {k: r.config[k] for k in (*GRID_KEYS, "seed")}
         row.update(trial_id=r.metrics["trial_id"], epochs=int(hist["epoch"].max()), best_epoch=int(best["epoch"]),
                    final_train_loss=float(hist["train_loss"].iloc[-1]), trial_path=r.path)
         row.update({c: float(best[c]) for c in hist.columns if c.startswith("dev_")})
         rows.append(row)
-    return pd.DataFrame(rows).sort_values(list(GRID_KEYS) + ["seed"]).reset_index(drop=True)
+    table = pd.DataFrame(rows).sort_values(list(GRID_KEYS) + ["seed"]).reset_index(drop=True)
+    point = [*GRID_KEYS, "seed"]
+    repeated = table[table.duplicated(point, keep=False)][point].drop_duplicates().to_dict("records")
+    if repeated:  # selection must see each grid point x seed once
+        raise RuntimeError(f"the sweep ran {repeated} more than once; rerun it with --force finetune")
+    return table
 
 
 def best_checkpoint(result, metric: str):
@@ -151,7 +209,7 @@ def best_checkpoint(result, metric: str):
     path `TuneReportCallback` put in that epoch's result (trainer=deepspeed)."""
     from ray import tune
 
-    hist = result.metrics_dataframe
+    hist = result.metrics_dataframe.drop_duplicates("epoch", keep="last").reset_index(drop=True)
     if "checkpoint_path" in hist.columns:
         return tune.Checkpoint(hist.loc[hist[metric].idxmax(), "checkpoint_path"])
     return result.get_best_checkpoint(metric, "max")

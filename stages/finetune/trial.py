@@ -11,7 +11,12 @@ One loop (`run_epochs`) runs on an engine of `training.engine`, whichever traine
              gathered; an improving epoch's weights are gathered with `save_16bit_model`.
 
 Recipe (Table 9): AdamW (epsilon, betas, weight decay), linear warmup then linear decay to zero at `epochs`
-(`training.engine`'s schedule), gradient clipping, SiFT when enabled; a checkpoint whenever the dev metric improves.
+(`training.engine`'s schedule), gradient clipping, SiFT when enabled.
+
+Checkpoints: a torch trial hands Tune one after every epoch, the weights with what continues the loop exactly
+(optimizer, schedule, RNG states, epoch, best metric so far; Tune keeps the best for selection and the newest to
+resume from), so a retried or restored trial picks up where its last epoch ended. A DeepSpeed trial checkpoints
+the gathered weights whenever the dev metric improves; it has no optimizer state to resume from and restarts.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import math
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -36,6 +42,8 @@ from stages.finetune.data import Encoded
 from stages.finetune.tasks import CLASSIFICATION, compute_metrics
 
 EVAL_BATCH = 128
+TRIAL_STATE = "trial_state.pt"
+"""Beside model.pt in a torch trial's checkpoint: what `restore_progress` needs to continue the loop."""
 
 
 @dataclass(frozen=True)
@@ -145,19 +153,33 @@ def train_step(model, batch, sift_lambda: float | None) -> tuple[torch.Tensor, f
     return out["loss"] + adv, float(adv.detach())
 
 
-Report = Callable[[dict[str, Any], "Engine | None"], None]
-"""report(epoch result, engine to checkpoint or None): Tune's or Ray Train's, per trainer."""
+@dataclass(frozen=True)
+class Progress:
+    """Where a trial's loop stands after an epoch; with the engine's state, enough to continue it exactly."""
+
+    epoch: int = 0
+    best: float = -math.inf
+    """The best dev metric so far."""
+    order: dict[str, Any] | None = None
+    """The data-order generator's state (numpy's bit generator) after `epoch`."""
+
+
+Report = Callable[[dict[str, Any], Engine, bool, Progress], None]
+"""report(epoch result, engine, improved, progress): Tune's or Ray Train's, per trainer; it decides what to
+checkpoint."""
 
 
 def run_epochs(engine: Engine, data: tuple[Encoded, Encoded], setup: TrialSetup, config: dict[str, Any],
-               report: Report, rank: int = 0, world: int = 1) -> None:
-    """The fine-tuning loop of both trainers: every batch split rank::world, dev metrics per epoch, the engine
-    handed to `report` for a checkpoint whenever the dev metric improves."""
+               report: Report, rank: int = 0, world: int = 1, start: Progress = Progress()) -> None:
+    """The fine-tuning loop of both trainers: every batch split rank::world, dev metrics per epoch, each epoch
+    handed to `report` with whether the dev metric improved. `start`: continue after that epoch."""
     ft, (train, dev) = setup.ft, data
     bs, device = int(config["batch_size"]), engine.device
     rng = np.random.default_rng(config["seed"])  # the same order on every worker; each takes rows rank::world
-    best = -math.inf
-    for epoch in range(1, ft.epochs + 1):
+    if start.order is not None:
+        rng.bit_generator.state = start.order
+    best = start.best
+    for epoch in range(start.epoch + 1, ft.epochs + 1):
         engine.train()
         started, losses, sifts = time.time(), [], []
         for idx in epoch_batches(len(train), bs, rng, world):
@@ -180,7 +202,30 @@ def run_epochs(engine: Engine, data: tuple[Encoded, Encoded], setup: TrialSetup,
         # the trial's best so far: Tune's TensorBoard logger writes the last result as the trial's hparams metrics,
         # and selection ranks trials by their best epoch, not their last
         result[f"best_dev_{setup.metric}"] = best
-        report(result, engine if improved else None)
+        report(result, engine, improved, Progress(epoch, best, rng.bit_generator.state))
+
+
+def save_progress(engine: Engine, directory: Path, progress: Progress) -> None:
+    """A torch trial's checkpoint: model.pt (the weights, as selection copies them) and TRIAL_STATE."""
+    engine.save_weights(directory)
+    torch.save({"epoch": progress.epoch, "best": progress.best, "order": progress.order,
+                "optimizer": engine.optimizer.state_dict(), "scheduler": engine.scheduler.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state() if engine.device.type == "cuda" else None},
+               Path(directory) / TRIAL_STATE)
+
+
+def restore_progress(engine: Engine, directory: Path) -> Progress:
+    """Load a `save_progress` checkpoint into a freshly built engine; returns where the loop continues."""
+    directory = Path(directory)
+    state = torch.load(directory / TRIAL_STATE, map_location="cpu", weights_only=True)
+    engine.model.load_state_dict(torch.load(directory / "model.pt", map_location=engine.device, weights_only=True))
+    engine.optimizer.load_state_dict(state["optimizer"])
+    engine.scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"])
+    if state["cuda_rng"] is not None:
+        torch.cuda.set_rng_state(state["cuda_rng"])
+    return Progress(state["epoch"], state["best"], state["order"])
 
 
 def torch_trial(config: dict[str, Any], *, data: tuple[Encoded, Encoded], weights: dict[str, torch.Tensor],
@@ -192,16 +237,20 @@ def torch_trial(config: dict[str, Any], *, data: tuple[Encoded, Encoded], weight
     torch.set_num_threads(ft.cpus_per_trial)
     device = "cuda" if ft.use_gpu and torch.cuda.is_available() else "cpu"
     engine = trial_engine(setup, config, weights, optim_spec(ft, config, len(data[0])), device=device)
+    start = Progress()
+    if (ckpt := tune.get_checkpoint()) is not None:  # a retry after a lost process, or a restored sweep
+        with ckpt.as_directory() as d:
+            start = restore_progress(engine, Path(d))
+        print(f"[finetune] trial {tune.get_context().get_trial_id()} resumes after epoch {start.epoch} "
+              f"(from its checkpoint)", flush=True)
 
-    def report(result: dict[str, Any], best: Engine | None) -> None:
-        if best is None:
-            tune.report(result)
-            return
-        with tempfile.TemporaryDirectory() as tmp:  # Tune keeps only the best (num_to_keep=1)
-            best.save_weights(tmp)
+    def report(result: dict[str, Any], engine: Engine, improved: bool, progress: Progress) -> None:
+        # every epoch: Tune keeps the best checkpoint (num_to_keep=1) and always the newest, to resume from
+        with tempfile.TemporaryDirectory() as tmp:
+            save_progress(engine, Path(tmp), progress)
             tune.report(result, checkpoint=tune.Checkpoint.from_directory(tmp))
 
-    run_epochs(engine, data, setup, config, report)
+    run_epochs(engine, data, setup, config, report, start=start)
 
 
 def deepspeed_worker(loop_config: dict[str, Any]) -> None:
@@ -229,12 +278,12 @@ def deepspeed_worker(loop_config: dict[str, Any]) -> None:
     if rank:  # the other workers draw their own dropout masks (rank 0 continues as a torch trial would)
         torch.manual_seed(config["seed"] * 1_009 + rank)
 
-    def report(result: dict[str, Any], best: Engine | None) -> None:
-        if best is None:
+    def report(result: dict[str, Any], engine: Engine, improved: bool, progress: Progress) -> None:
+        if not improved:
             ray.train.report(result)
             return
         with tempfile.TemporaryDirectory() as tmp:
-            best.save_weights(tmp)  # collective under ZeRO-3; rank 0 writes the full model
+            engine.save_weights(tmp)  # collective under ZeRO-3; rank 0 writes the full model
             ray.train.report(result, checkpoint=ray.train.Checkpoint.from_directory(tmp) if rank == 0 else None)
 
     run_epochs(engine, data, setup, config, report, rank, world)
@@ -253,10 +302,24 @@ def deepspeed_trial(config: dict[str, Any], *, payload: dict[str, Any], setup: T
         scaling_config=train.ScalingConfig(num_workers=ft.workers_per_trial, use_gpu=ft.use_gpu,
                                            resources_per_worker={"CPU": ft.cpus_per_trial}),
         run_config=train.RunConfig(
-            name=f"{ctx.get_experiment_name()}-{ctx.get_trial_id()}", storage_path=storage_path,
-            callbacks=[TuneReportCallback()],
+            name=_attempt_name(storage_path, f"{ctx.get_experiment_name()}-{ctx.get_trial_id()}"),
+            storage_path=storage_path, callbacks=[TuneReportCallback()],
             checkpoint_config=train.CheckpointConfig(num_to_keep=1, checkpoint_score_attribute=metric,
                                                      checkpoint_score_order="max"),
+            # Tune retries the trial (finetune.max_failures): a lost worker fails this run, and so the trial, once
             failure_config=train.FailureConfig(max_failures=0)),
     )
     trainer.fit()
+
+
+def _attempt_name(storage_path: str, base: str) -> str:
+    """`base` for a trial's first Ray Train run, `base-retryN` for its N-th retry: Train V2 would resume a run of
+    the same name from its last checkpoint, which holds the gathered weights alone, and its checkpoint bookkeeping
+    would mix the attempts' checkpoints; a retry starts over in a run of its own."""
+    import pyarrow.fs as pafs
+
+    fs, root = pafs.FileSystem.from_uri(storage_path) if "://" in storage_path else (pafs.LocalFileSystem(),
+                                                                                     storage_path)
+    taken = {i.base_name for i in fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))}
+    return next(name for n in range(len(taken) + 1)
+                if (name := base if n == 0 else f"{base}-retry{n}") not in taken)
