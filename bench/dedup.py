@@ -16,7 +16,7 @@ Two measurements in one run:
 - quality, on a corpus small enough for brute force (`--truth-editions` editions of the news
   articles alone): precision and recall of the stage's confirmed pairs against the exact Jaccard of
   character 5-gram *string* sets over every pair, beside datasketch's (unconfirmed) candidates.
-Prints JSON, then a table.
+Prints one JSON object (also written to --json), then a table.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common import emit
 from core.config import CorpusConfig
 from core.datasets import materialize_corpus, site_packages_file
 from stages import corpus
@@ -221,7 +222,8 @@ def quality(args, cfg: CorpusConfig) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench.dedup", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--editions", type=int, default=35_000, help="edited versions of random articles and speeches")
     p.add_argument("--tweets", type=int, default=63_326, help="tweets to include (63,326: all)")
     p.add_argument("--truth-editions", type=int, default=2_000,
@@ -231,6 +233,7 @@ def main() -> None:
     p.add_argument("--threshold", type=float, default=0.7)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-datasketch", action="store_true", help="leave datasketch out (it is the slow part)")
+    p.add_argument("--json", type=Path, help="also write the JSON report here")
     args = p.parse_args()
     cfg = CorpusConfig(num_perm=args.num_perm, threshold=args.threshold)
 
@@ -240,26 +243,31 @@ def main() -> None:
     if args.truth_editions:
         report["quality"] = quality(args, cfg)
     report["load_average_1m_at_end"] = os.getloadavg()[0]
-    print(json.dumps(report, indent=2))
+    emit(report, args.json, table(report, args))
+
+
+def table(report: dict, args: argparse.Namespace) -> str:
     t = report["throughput"]
-    print(f"\n{t['documents']:,} documents ({t['text_mb']} MB), {args.cpus} CPUs")
-    print(f"{'':34}{'wall s':>9}{'docs/s/core':>13}")
+    lines = [f"{t['documents']:,} documents ({t['text_mb']} MB), {args.cpus} CPUs",
+             f"{'':34}{'wall s':>9}{'docs/s/core':>13}"]
     rows = [("whole stage (Ray, all steps)", t["stage"]), ("ours: signatures + LSH", t["ours_signature_lsh"])]
     rows += [("datasketch: MinHashLSH", t["datasketch_signature_lsh"])] if "datasketch_signature_lsh" in t else []
-    for name, r in rows:
-        print(f"{name:34}{r['wall_s']:>9}{r['docs_per_s_per_core']:>13}")
+    lines += [f"{name:34}{r['wall_s']:>9}{r['docs_per_s_per_core']:>13}" for name, r in rows]
     if "stage_vs_datasketch_per_core" in t:
-        print(f"whole stage vs datasketch's signatures + LSH alone, per core: {t['stage_vs_datasketch_per_core']}x")
+        lines.append(f"whole stage vs datasketch's signatures + LSH alone, per core: "
+                     f"{t['stage_vs_datasketch_per_core']}x")
     if "quality" in report:
         q = report["quality"]
-        print(f"\nquality on {q['documents']:,} documents ({q['true_pairs_j>=threshold']} true pairs "
-              f">= {args.threshold}):\n{'':34}{'pairs':>8}{'precision':>11}{'recall>=0.8':>13}{'recall>=thr':>13}")
+        lines += ["", f"quality on {q['documents']:,} documents ({q['true_pairs_j>=threshold']} true pairs "
+                      f">= {args.threshold}):",
+                  f"{'':34}{'pairs':>8}{'precision':>11}{'recall>=0.8':>13}{'recall>=thr':>13}"]
         for name, key in (("stage (confirmed)", "stage"), ("ours: LSH candidates", "ours_signature_lsh"),
                           ("datasketch: LSH candidates", "datasketch_signature_lsh")):
             if key in q:
                 r = q[key]
-                print(f"{name:34}{r['pairs']:>8}{r['precision']:>11}{r['recall_j>=0.8']:>13}"
-                      f"{r['recall_j>=threshold']:>13}")
+                lines.append(f"{name:34}{r['pairs']:>8}{r['precision']:>11}{r['recall_j>=0.8']:>13}"
+                             f"{r['recall_j>=threshold']:>13}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

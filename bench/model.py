@@ -14,8 +14,8 @@ Peak memory: on CPU, the growth of the process's peak RSS (VmHWM, `bench.memory`
 steps, measured from after the model and inputs were built (so it counts activations, gradients and
 allocator caches, not weights); on CUDA, `torch.cuda.max_memory_allocated` over the same span.
 
-    python bench/model.py                                    # CPU fp32, base width, 2 layers
-    python bench/model.py --device cuda --dtype bf16 --like 1.5b --layers 8 --tokens 16384
+    python -m bench.model                                    # CPU fp32, base width, 2 layers
+    python -m bench.model --device cuda --dtype bf16 --like 1.5b --layers 8 --tokens 16384
 Prints one JSON object (also written to --json) and a table; never asserted in tests.
 """
 
@@ -25,17 +25,13 @@ import argparse
 import json
 import statistics
 import sys
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as `python bench/model.py`
-    sys.path.insert(0, str(REPO))
-
-from bench import memory  # noqa: E402
+from bench import memory
+from bench.common import emit, run_worker
 from deberta import flops
 from deberta.config import DebertaConfig
 from deberta.masking import SpanMasker
@@ -46,8 +42,8 @@ LIKE = {"base": MODEL_BASE, "large": MODEL_LARGE, "1.5b": MODEL_1_5B}
 
 
 def like(name: str, **changes) -> DebertaConfig:
-    """The preset shape `name` as the model library's config, with some fields changed."""
-    return DebertaConfig.from_dict({**LIKE[name].to_dict(), **changes})
+    """The preset shape `name` with some fields changed."""
+    return LIKE[name].replace(**changes)
 
 
 def build_config(args: argparse.Namespace) -> DebertaConfig:
@@ -154,23 +150,16 @@ def memory_worker(spec: dict) -> dict:
     return {"peak_mem_mb": (peak() - base) / 2**20}
 
 
-def _spawn(spec: dict):
-    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
-                          capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"bench worker {spec} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def run_all(args: argparse.Namespace) -> dict:
     results = []
     worker_args = {k: v for k, v in vars(args).items() if k not in ("json", "worker")}
     for task in args.tasks:
         for seq in args.seq:
             spec = {"args": worker_args, "mode": "time", "task": task, "seq": seq}
-            rows = _spawn(spec)
+            rows = run_worker("bench.model", "--worker", json.dumps(spec))
             for r in rows:
-                r.update(_spawn({**spec, "mode": "memory", "impl": r["impl"]}))
+                memory_spec = {**spec, "mode": "memory", "impl": r["impl"]}
+                r.update(run_worker("bench.model", "--worker", json.dumps(memory_spec)))
             results += rows
             print(f"  done {task:8s} seq={seq}", file=sys.stderr)
     cfg = build_config(args)
@@ -198,7 +187,7 @@ def table(report: dict) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.model", description=__doc__.splitlines()[0])
     p.add_argument("--like", choices=sorted(LIKE), default="base", help="width and relative-position style")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--vocab", type=int, default=32_000, help="embedding rows (the full HF head scales with it)")
@@ -222,12 +211,7 @@ def main(argv=None) -> None:
         print(json.dumps(time_worker(spec) if spec["mode"] == "time" else memory_worker(spec)))
         return
     report = run_all(args)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text)
-    print()
-    print(table(report))
+    emit(report, args.json, table(report))
 
 
 if __name__ == "__main__":

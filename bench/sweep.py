@@ -6,29 +6,18 @@ Runs the finetune stage's sweep (`stages.finetune.sweep.run_sweep`, the same Tun
 trial to the last epoch and once with ASHA (grace 1 epoch, reduction factor 2) cutting trials at rungs 1, 2,
 4, ... epochs. Reports trial-epochs spent, wall time, the best configuration of each and whether ASHA found
 the same one or one equally good (dev metric within --tolerance of the full grid's best). Without
---pretrained it builds the tests' tiny real checkpoint (2k SentencePiece pieces, debug() MLM, 200 steps on
-review + news text). Prints one JSON object, then a table.
+--pretrained it builds the tests' tiny real checkpoint (`bench.tiny_pretrained`: 2k SentencePiece pieces, debug()
+MLM, 200 steps on review + news text). Prints one JSON object (also written to --json), then a table.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(","))
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(","))
+from bench.common import comma_floats, comma_ints, emit
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -36,37 +25,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pretrained", type=Path, help="a pretrain artifact dir (model/ + tokenizer/); default: build tiny")
     p.add_argument("--task", default="rotten-tomatoes")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/bench-sweep"))
-    p.add_argument("--dropout", type=_floats, default=(0.0, 0.1))
-    p.add_argument("--warmup-steps", type=_ints, default=(20,))
-    p.add_argument("--lr", type=_floats, default=(1e-4, 3e-4, 1e-3, 3e-3))
-    p.add_argument("--batch-size", type=_ints, default=(32,))
-    p.add_argument("--seeds", type=_ints, default=(0,))
+    p.add_argument("--dropout", type=comma_floats, default=(0.0, 0.1))
+    p.add_argument("--warmup-steps", type=comma_ints, default=(20,))
+    p.add_argument("--lr", type=comma_floats, default=(1e-4, 3e-4, 1e-3, 3e-3))
+    p.add_argument("--batch-size", type=comma_ints, default=(32,))
+    p.add_argument("--seeds", type=comma_ints, default=(0,))
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--max-train-examples", type=int, default=2000)
     p.add_argument("--max-seq-len", type=int, default=64)
     p.add_argument("--concurrent", type=int, default=2)
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray (one per concurrent trial)")
     p.add_argument("--tolerance", type=float, default=0.005, help="dev-metric gap that still counts as equally good")
+    p.add_argument("--json", type=Path, help="also write the JSON report here")
     return p.parse_args(argv)
-
-
-def pretrained_dir(args) -> Path:
-    if args.pretrained:
-        return args.pretrained
-    target = args.workdir / "tiny" / "pretrain"
-    if (target / "model" / "model.pt").is_file():
-        return target
-    import shutil
-
-    from core.datasets import materialize_corpus
-    from stages.finetune.tasks import resolve_task
-    from bench.tiny_pretrained import build_tiny_pretrained
-
-    shutil.rmtree(args.workdir / "tiny", ignore_errors=True)
-    news = materialize_corpus("news", args.workdir / "news")
-    texts = list(resolve_task("rotten-tomatoes").train.text_a)
-    texts += [json.loads(line)["text"] for line in news.read_text().splitlines()[:1500]]
-    return build_tiny_pretrained(args.workdir / "tiny", texts)[0].path
 
 
 def one_sweep(args, scheduler: str, setup, data, weights) -> dict:
@@ -101,6 +72,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import ray
 
+    from bench.tiny_pretrained import tiny_pretrained_dir
     from deberta import checkpoint
     from core.config import FinetuneConfig
     from stages.finetune import data as ft_data
@@ -110,7 +82,7 @@ def main(argv=None) -> int:
     from core.tokenizer import Tokenizer
 
     args.workdir.mkdir(parents=True, exist_ok=True)
-    pre = pretrained_dir(args)
+    pre = args.pretrained or tiny_pretrained_dir(args.workdir)
     task = resolve_task(args.task)
     cfg = FinetuneConfig(task=args.task, dropout=args.dropout, warmup_steps=args.warmup_steps, lr=args.lr,
                          batch_size=args.batch_size, seeds=args.seeds, epochs=args.epochs,
@@ -136,15 +108,15 @@ def main(argv=None) -> int:
         "trial_epochs_saved": round(1 - asha["trial_epochs"] / full["trial_epochs"], 3),
         "wall_time_ratio": round(asha["wall_s"] / full["wall_s"], 3),
     }
-    print(json.dumps(report, indent=2))
-    print(f"\n{'scheduler':<10}{'trials':>7}{'trial-epochs':>14}{'wall s':>9}{metric:>16}  best config")
+    lines = [f"{'scheduler':<10}{'trials':>7}{'trial-epochs':>14}{'wall s':>9}{metric:>16}  best config"]
     for r in (full, asha):
         cfg_text = ", ".join(f"{k}={v:g}" for k, v in r["best_config"].items())
-        print(f"{r['scheduler']:<10}{r['trials']:>7}{r['trial_epochs']:>14}{r['wall_s']:>9.0f}"
-              f"{r['best_metric']:>16.4f}  {cfg_text}")
-    print(f"ASHA: {report['trial_epochs_saved']:.0%} fewer trial-epochs, {report['wall_time_ratio']:.2f}x the wall "
-          f"time; same best config: {report['same_best_config']}; equally good (±{args.tolerance}): "
-          f"{report['equally_good']}; majority baseline {report['majority_baseline']}")
+        lines.append(f"{r['scheduler']:<10}{r['trials']:>7}{r['trial_epochs']:>14}{r['wall_s']:>9.0f}"
+                     f"{r['best_metric']:>16.4f}  {cfg_text}")
+    lines.append(f"ASHA: {report['trial_epochs_saved']:.0%} fewer trial-epochs, {report['wall_time_ratio']:.2f}x the "
+                 f"wall time; same best config: {report['same_best_config']}; equally good (±{args.tolerance}): "
+                 f"{report['equally_good']}; majority baseline {report['majority_baseline']}")
+    emit(report, args.json, "\n".join(lines))
     return 0
 
 

@@ -65,3 +65,19 @@ def build_tiny_pretrained(root: Path, texts: list[str], steps: int = 200, seed: 
     return Artifact("pretrain", "tiny-pretrain", model_root), Artifact("vocab", "tiny-vocab", vocab_dir)
 
 
+
+
+def tiny_pretrained_dir(workdir: Path) -> Path:
+    """The tiny checkpoint of the benches under `workdir`, built on first use from the rotten-tomatoes reviews and
+    1,500 news articles (the pretrain artifact's layout: model/ + tokenizer/)."""
+    from core.datasets import materialize_corpus
+    from stages.finetune.tasks import resolve_task
+
+    target = workdir / "tiny" / "pretrain"
+    if (target / "model" / checkpoint.WEIGHTS_FILE).is_file():
+        return target
+    shutil.rmtree(workdir / "tiny", ignore_errors=True)
+    news = materialize_corpus("news", workdir / "news")
+    texts = list(resolve_task("rotten-tomatoes").train.text_a)
+    texts += [json.loads(line)["text"] for line in news.read_text().splitlines()[:1500]]
+    return build_tiny_pretrained(workdir / "tiny", texts)[0].path

@@ -1,48 +1,42 @@
 """Benchmark: tokens/s of the tokenize stage with 1 and 2 workers beside a plain single-process encode loop.
 
-    unshare --net sh -c 'ip link set lo up && .venv/bin/python bench/tokenization.py'
+    unshare --net sh -c 'ip link set lo up && .venv/bin/python -m bench.tokenization'
 
 The corpus is the built-in news articles (repeated `--copies` times, as Parquet shards of `--rows-per-shard`
 documents); the vocabulary is trained once by the vocab stage. "tokens" are SentencePiece ids of the documents
 (framing and padding excluded), the same number for the baseline and the stage. CPU efficiency = the baseline's
 CPU seconds / the CPU seconds the actors spent on their work units (reading, encoding, packing, writing): a
 measure of per-worker overhead that, unlike wall time, holds on a machine shared with other jobs. "2 processes,
-arrays" runs two plain loops at once on halves of the text: the scaling this machine itself allows. The reference single-process
-rate is the faster of two plain loops (`encode_as_numpy`, which the stage's actors use; `encode` to lists is
-shown too). The stage's time is its whole
-`run()`: actor start-up, Parquet reading, packing and writing included. Goals (issue 4): 2 workers >= 0.8 x linear
-scaling of 1 worker, and each worker >= 0.9 x the single-process rate. Prints one JSON object, then a table.
+arrays" runs two plain loops at once on halves of the text: the scaling this machine itself allows. The reference
+single-process rate is the faster of two plain loops (`encode_as_numpy`, which the stage's actors use; `encode` to
+lists is shown too). The stage's time is its whole `run()`: actor start-up, Parquet reading, packing and writing
+included. Goals: 2 workers >= 0.8 x linear scaling of 1 worker, and each worker >= 0.9 x the single-process rate.
+Prints one JSON object (also written to --json), then a table.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
-import sys
+import shutil
+import tempfile
+import time
+from pathlib import Path
 
-# Run as a script, this file's folder comes first on sys.path and its name would shadow the standard library's
-# `tokenize` (imported by inspect/linecache): swap that folder for the repository root before anything else.
-_BENCH = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [os.path.dirname(_BENCH)] + [p for p in sys.path if os.path.abspath(p or ".") != _BENCH]
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
+import pyarrow.parquet as pq
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pyarrow as pa  # noqa: E402
-import pyarrow.compute  # noqa: E402,F401  (pa.compute)
-import pyarrow.parquet as pq  # noqa: E402
-
-from core.artifacts import Artifact  # noqa: E402
-from core.config import TokenizeConfig, VocabConfig  # noqa: E402
-from core.datasets import materialize_corpus  # noqa: E402
-from core.tokenizer import Tokenizer  # noqa: E402
-from stages import tokenize as tokenize_stage  # noqa: E402
-from stages import vocab as vocab_stage  # noqa: E402
-from stages.base import StageContext  # noqa: E402
+from bench.common import comma_ints, emit
+from core.artifacts import Artifact
+from core.config import TokenizeConfig, VocabConfig
+from core.datasets import materialize_corpus
+from core.tokenizer import Tokenizer
+from stages import tokenize as tokenize_stage
+from stages import vocab as vocab_stage
+from stages.base import StageContext
 
 
 def write_corpus(root: Path, docs: list[tuple[str, str]], rows_per_shard: int) -> tuple[Artifact, list[str]]:
@@ -130,7 +124,7 @@ def profile(tok: Tokenizer, corpus: Artifact, cfg: TokenizeConfig, root: Path) -
             table = tokenize_stage.to_table(rows, lengths, batch.column("doc_id").take(pa.array(first)))
             phases["pack + table"] += clock() - t
             t = clock()
-            writer = writer or tokenize_stage._Shard(out, f"train/{f.stem}.arrow", table.schema, 0.0)
+            writer = writer or tokenize_stage.ShardWriter(out, f"train/{f.stem}.arrow", table.schema, 0.0)
             writer.add(table)
             phases["write packed"] += clock() - t
             t = clock()
@@ -158,16 +152,17 @@ def profile(tok: Tokenizer, corpus: Artifact, cfg: TokenizeConfig, root: Path) -
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.tokenization", description=__doc__.splitlines()[0])
     ap.add_argument("--copies", type=int, default=8, help="times the 3,824 news articles are repeated (8: 102 MB)")
     ap.add_argument("--rows-per-shard", type=int, default=500, help="documents per corpus Parquet shard")
     ap.add_argument("--vocab-size", type=int, default=8_000)
     ap.add_argument("--max-seq-len", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=256)
-    ap.add_argument("--workers", default="1,2", help="comma-separated tokenize.num_workers to time")
+    ap.add_argument("--workers", type=comma_ints, default=(1, 2), help="comma-separated tokenize.num_workers to time")
     ap.add_argument("--repeats", type=int, default=2, help="each measurement's best of this many runs")
+    ap.add_argument("--json", type=Path, help="also write the JSON report here")
     args = ap.parse_args()
-    workers = [int(w) for w in args.workers.split(",")]
+    workers = list(args.workers)
 
     import ray
 
@@ -231,26 +226,35 @@ def main() -> None:
     if 1 in stage and 2 in stage:
         report["scaling_2_vs_1"] = stage[2]["tokens_per_s"] / (2 * stage[1]["tokens_per_s"])
         report["marginal_scaling_2_vs_1"] = stage[2]["marginal_tokens_per_s"] / (2 * stage[1]["marginal_tokens_per_s"])
-    print(json.dumps(report, indent=2))
+    emit(report, args.json, table(report))
+
+
+def table(report: dict) -> str:
+    tokens, single, lists = report["tokens"], report["single_process"], report["single_process_lists"]
+    base_s, base_cpu = single["seconds"], single["cpu_seconds"]
+    list_s, list_cpu = lists["seconds"], lists["cpu_seconds"]
     head = ("run", "seconds", "tokens/s", "/worker/single", "marginal /worker", "CPU eff. (arrays)", "(lists)")
-    print("\n{:<22}{:>8}{:>12}{:>16}{:>18}{:>19}{:>9}".format(*head))
-    print(f"{'1 process, lists':<22}{list_s:>8.1f}{tokens / list_s:>12,.0f}{base_s / list_s:>16.2f}"
-          f"{'':>18}{base_cpu / list_cpu:>19.2f}{1.0:>9.2f}")
-    print(f"{'1 process, arrays':<22}{base_s:>8.1f}{base_rate:>12,.0f}{1.0:>16.2f}{'':>18}{1.0:>19.2f}"
-          f"{list_cpu / base_cpu:>9.2f}")
-    if 2 in workers:
-        print(f"{'2 processes, arrays':<22}{two_s:>8.1f}{tokens / two_s:>12,.0f}{base_s / two_s / 2:>16.2f}")
-    for w, s in stage.items():
-        print(f"{f'stage, {w} worker(s)':<22}{s['seconds']:>8.1f}{s['tokens_per_s']:>12,.0f}"
-              f"{s['per_worker_vs_single']:>16.2f}{s['marginal_per_worker_vs_single']:>18.2f}"
-              f"{s['cpu_efficiency_vs_single']:>19.2f}{s['cpu_efficiency_vs_single_lists']:>9.2f}")
-    print("\nwhere one worker's CPU goes (in-process, 1 thread; Ray start-up and the exchange excluded):")
-    for phase, seconds in phases.items():
-        print(f"  {phase:<24}{seconds:>7.2f} s  {seconds / phases['encode']:>5.2f} x encode")
+    lines = ["{:<22}{:>8}{:>12}{:>16}{:>18}{:>19}{:>9}".format(*head),
+             f"{'1 process, lists':<22}{list_s:>8.1f}{tokens / list_s:>12,.0f}{base_s / list_s:>16.2f}"
+             f"{'':>18}{base_cpu / list_cpu:>19.2f}{1.0:>9.2f}",
+             f"{'1 process, arrays':<22}{base_s:>8.1f}{tokens / base_s:>12,.0f}{1.0:>16.2f}{'':>18}{1.0:>19.2f}"
+             f"{list_cpu / base_cpu:>9.2f}"]
+    if "two_processes_plain" in report:
+        two_s = report["two_processes_plain"]["seconds"]
+        lines.append(f"{'2 processes, arrays':<22}{two_s:>8.1f}{tokens / two_s:>12,.0f}{base_s / two_s / 2:>16.2f}")
+    for w, s in report["stage"].items():
+        lines.append(f"{f'stage, {w} worker(s)':<22}{s['seconds']:>8.1f}{s['tokens_per_s']:>12,.0f}"
+                     f"{s['per_worker_vs_single']:>16.2f}{s['marginal_per_worker_vs_single']:>18.2f}"
+                     f"{s['cpu_efficiency_vs_single']:>19.2f}{s['cpu_efficiency_vs_single_lists']:>9.2f}")
+    phases = report["profile_cpu_seconds"]
+    lines += ["", "where one worker's CPU goes (in-process, 1 thread; Ray start-up and the exchange excluded):"]
+    lines += [f"  {phase:<24}{seconds:>7.2f} s  {seconds / phases['encode']:>5.2f} x encode"
+              for phase, seconds in phases.items()]
     if "scaling_2_vs_1" in report:
-        print(f"scaling 2 vs 1 worker: {report['scaling_2_vs_1']:.2f} x linear end to end, "
-              f"{report['marginal_scaling_2_vs_1']:.2f} x marginal (goal >= 0.8); two plain processes here: "
-              f"{report['two_processes_plain']['scaling_vs_one']:.2f} x linear")
+        lines.append(f"scaling 2 vs 1 worker: {report['scaling_2_vs_1']:.2f} x linear end to end, "
+                     f"{report['marginal_scaling_2_vs_1']:.2f} x marginal (goal >= 0.8); two plain processes here: "
+                     f"{report['two_processes_plain']['scaling_vs_one']:.2f} x linear")
+    return "\n".join(lines)
 
 
 def _mkdir(path: Path) -> Path:

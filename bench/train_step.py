@@ -23,13 +23,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from bench.common import WorkerFailed, emit, run_worker
 from bench.model import LIKE, like, make_inputs
 from deberta import flops
 from deberta.config import DebertaConfig
@@ -136,15 +136,16 @@ def worker(args: argparse.Namespace) -> dict:
 
 
 def _spawn(args: argparse.Namespace, mode: str, zero: int) -> dict:
-    argv = [sys.executable, "-m", "bench.train_step", "--worker", "--mode", mode, "--zero", str(zero)]
+    """One mode's step in a process of its own (peak memory does not mix); a failure is a row of the report."""
+    argv = ["--worker", "--mode", mode, "--zero", str(zero)]
     for k in ("like", "layers", "vocab", "seq", "micro", "steps", "warmup", "port", "device"):
         argv += [f"--{k}", str(getattr(args, k))]
     if args.profile:
         argv += ["--profile", str(args.profile)]
-    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        return {"mode": mode, "error": proc.stderr[-2000:]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    try:
+        return run_worker("bench.train_step", *argv)
+    except WorkerFailed as e:
+        return {"mode": mode, "error": str(e)[-2000:]}
 
 
 def table(report: dict) -> str:
@@ -171,7 +172,7 @@ def table(report: dict) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.train_step", description=__doc__.splitlines()[0])
     p.add_argument("--like", choices=sorted(LIKE), default="1.5b")
     p.add_argument("--layers", type=int, default=0, help="0 = the model's own depth")
     p.add_argument("--vocab", type=int, default=128_100, help="embedding rows (128K pieces for the paper's models)")
@@ -207,12 +208,7 @@ def main(argv=None) -> None:
               "micro_batch": args.micro, "tokens_per_step": args.seq * args.micro, "steps": args.steps,
               "flops_per_token": flops.train_flops_per_token(cfg, args.seq, "mlm"),
               "results": [_spawn(args, m, z) for m in args.modes for z in (args.zero if m == "deepspeed" else [0])]}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text)
-    print()
-    print(table(report))
+    emit(report, args.json, table(report))
 
 
 if __name__ == "__main__":

@@ -9,23 +9,19 @@ trial at a time on a local Ray of `--num-cpus` CPUs, through the finetune stage'
   deepspeed-2  two DeepSpeed workers, ZeRO-2, the CPUs split between them: data parallel over gloo
 Reports the sweep's wall time (Tune, Train and worker start-up included), the mean epoch time the trial
 measured itself, and the dev metric. On a machine of 2 cores this shows overhead, not scaling: the point of
-DeepSpeed trials is models that one device cannot fine-tune. Prints one JSON object, then a table.
+DeepSpeed trials is models that one device cannot fine-tune. Prints one JSON object (also written to --json), then
+a table.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench.sweep import pretrained_dir  # noqa: E402  (the tiny real checkpoint, built once under --workdir)
+from bench.common import emit
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -39,6 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-train-examples", type=int, default=2000)
     p.add_argument("--max-seq-len", type=int, default=64)
     p.add_argument("--num-cpus", type=int, default=2)
+    p.add_argument("--json", type=Path, help="also write the JSON report here")
     return p.parse_args(argv)
 
 
@@ -54,6 +51,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import ray
 
+    from bench.tiny_pretrained import tiny_pretrained_dir  # the tiny real checkpoint, built once under --workdir
     from deberta import checkpoint
     from core.config import FinetuneConfig
     from stages.finetune import data as ft_data
@@ -63,7 +61,7 @@ def main(argv=None) -> int:
     from core.tokenizer import Tokenizer
 
     args.workdir.mkdir(parents=True, exist_ok=True)
-    pre = pretrained_dir(args)
+    pre = args.pretrained or tiny_pretrained_dir(args.workdir)
     task = resolve_task(args.task)
     base = FinetuneConfig(task=args.task, dropout=(0.0,), warmup_steps=(10,), lr=(args.lr,),
                           batch_size=(args.batch_size,), epochs=args.epochs, max_seq_len=args.max_seq_len,
@@ -91,11 +89,11 @@ def main(argv=None) -> int:
     report = {"task": task.name, "train_examples": len(data[0]), "dev_examples": len(data[1]),
               "epochs": args.epochs, "batch_size": args.batch_size, "cpus": args.num_cpus, "layouts": rows,
               "epoch_time_vs_torch": {k: round(r["epoch_s"] / ref["epoch_s"], 2) for k, r in rows.items()}}
-    print(json.dumps(report, indent=2))
-    print(f"\n{'layout':<13}{'wall s':>8}{'epoch s':>9}{'vs torch':>10}{metric:>16}{'train loss':>12}")
+    lines = [f"{'layout':<13}{'wall s':>8}{'epoch s':>9}{'vs torch':>10}{metric:>16}{'train loss':>12}"]
     for name, r in rows.items():
-        print(f"{name:<13}{r['wall_s']:>8.1f}{r['epoch_s']:>9.2f}{r['epoch_s'] / ref['epoch_s']:>9.2f}x"
-              f"{r[metric]:>16.4f}{r['final_train_loss']:>12.4f}")
+        lines.append(f"{name:<13}{r['wall_s']:>8.1f}{r['epoch_s']:>9.2f}{r['epoch_s'] / ref['epoch_s']:>9.2f}x"
+                     f"{r[metric]:>16.4f}{r['final_train_loss']:>12.4f}")
+    emit(report, args.json, "\n".join(lines))
     return 0
 
 

@@ -1,12 +1,12 @@
 """Peak resident memory of a rank while it builds a ZeRO-3 model (`training.engine.construct`), then its engine.
 
 Runs `--world` gloo ranks on this machine (CPU, fp32, the pipeline's own DeepSpeed config from
-`training.deepspeed_config.engine_config`). Each rank reports, per phase, the rise of its peak RSS over the RSS the
+`training.deepspeed_config.DeepSpeedConfig`). Each rank reports, per phase, the rise of its peak RSS over the RSS the
 phase started from (the kernel's high-water mark, VmHWM, is reset before each phase through /proc/self/clear_refs),
 its RSS after the phase, and its RSS after glibc's `malloc_trim(0)` (what the allocator kept but no longer uses);
 each phase starts trimmed, so its rise is its own:
 
-    construct   the model inside `deepspeed.zero.Init`, initialised module by module (what issue 15 bounds)
+    construct   the model inside `deepspeed.zero.Init`, initialised module by module (the peak `construct` bounds)
     engine      client AdamW + `deepspeed.initialize` (fp32 partitions, gradient buffers: DeepSpeed's, not ours)
     forward, backward, step   one training step (Adam's moments appear in `step`)
 
@@ -29,11 +29,9 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from bench import memory
-
-REPO = Path(__file__).resolve().parent.parent
+from bench.common import REPO
 MIB = 1 << 20
 LEAN = {"reduce_bucket_size": 10**7, "stage3_prefetch_bucket_size": 10**7, "sub_group_size": 10**7,
         "stage3_max_live_parameters": 10**7, "stage3_max_reuse_distance": 10**7}
@@ -97,7 +95,7 @@ def _initialize(model, spec, ds_config):
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    from training.deepspeed_config import engine_config
+    from training.deepspeed_config import DeepSpeedConfig
     from training.engine import OptimSpec, construct, init_distributed
 
     try:
@@ -113,9 +111,8 @@ def worker(args: argparse.Namespace) -> None:
     cfg = DebertaConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
                         num_attention_heads=args.hidden // 64, intermediate_size=4 * args.hidden,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **like)
-    ds_config = engine_config(world, 1, 1, 1.0, 3, use_gpu=False)
-    if args.lean:  # DeepSpeed's buffers sized for a CPU test, not for throughput
-        ds_config["zero_optimization"].update(LEAN)
+    # --lean: DeepSpeed's buffers sized for a CPU test, not for throughput
+    ds_config = DeepSpeedConfig(world, 1, 1, 1.0, 3, use_gpu=False, zero_options=LEAN if args.lean else {})
     init_distributed("gloo")
     report: dict = {"rank": rank}
     torch.manual_seed(0)
@@ -164,7 +161,8 @@ def launch(args: argparse.Namespace, argv: list[str]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.zero_init_memory", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--vocab", type=int, default=32000)
