@@ -20,12 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench.objectives import emit  # noqa: E402
-from core.lineage import EXPERIMENT, default_tracking_uri  # noqa: E402
+from bench.common import REPO, RESULTS, emit
+from core.lineage import EXPERIMENT, default_tracking_uri
 
 
 def pipeline_argv(args: argparse.Namespace) -> list[str]:
@@ -107,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval-batches", type=int, default=96,
                    help="per worker, of the preset's 8 rows: 96 x 8 x 2 covers the debug corpus's 1,548 "
                         "validation rows")
-    p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "albert_pipeline.json")
+    p.add_argument("--json", type=Path, default=RESULTS / "albert_pipeline.json")
     args = p.parse_args(argv)
     command = [sys.executable, *pipeline_argv(args)]
     print("running:", " ".join(command[1:]), file=sys.stderr)
