@@ -20,10 +20,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from core.config import FinetuneConfig, ModelConfig
+from core.config import FinetuneConfig
+from deberta.config import DebertaConfig
 from core.tokenizer import Tokenizer
 from core.errors import StageInputError
-from stages.base import StageContext, StageResult, model_config
+from stages.base import StageContext, StageResult
 from stages.finetune.data import ExternalCheckpoint, load_pretrained, prepare_data
 from stages.finetune.registry import _jsonable, export_hf, plot_sweep, register_champion, save_model
 from stages.finetune.sweep import (GRID_KEYS, _trial_runs_callback, best_checkpoint, grid_size, pick_champion,
@@ -33,7 +34,7 @@ from stages.finetune.tasks import TaskRef, majority_baseline
 VERSION = "2"  # 2: the reference linear schedule (lr 0 at the first step), SiFT as microsoft/DeBERTa
 
 
-def dry_run(cfg: FinetuneConfig, model: ModelConfig) -> str:
+def dry_run(cfg: FinetuneConfig, model: DebertaConfig) -> str:
     """One line for `--dry-run`: the size of the sweep."""
     grid = " x ".join(f"{k}{list(getattr(cfg, k))}" for k in (*GRID_KEYS, "seeds"))
     trainer = ("one torch process" if cfg.trainer == "torch" else
@@ -42,7 +43,7 @@ def dry_run(cfg: FinetuneConfig, model: ModelConfig) -> str:
             f"scheduler {cfg.scheduler}, {cfg.max_concurrent_trials} at once, {trainer} per trial, sift={cfg.sift}")
 
 
-def run(cfg: FinetuneConfig, *, model: ModelConfig, inputs: dict[str, Any], out: Path,
+def run(cfg: FinetuneConfig, *, model: DebertaConfig, inputs: dict[str, Any], out: Path,
         ctx: StageContext) -> StageResult:
     from stages.finetune.trial import TrialSetup
 
@@ -53,7 +54,7 @@ def run(cfg: FinetuneConfig, *, model: ModelConfig, inputs: dict[str, Any], out:
         raise StageInputError(f"tokenizer {tok_dir} has {len(tok)} ids but the model only {model.vocab_size} embedding "
                               f"rows; the pretrained artifact and its vocabulary do not belong together")
     data = prepare_data(task, tok, cfg)
-    setup = TrialSetup(model_config(model), task.num_labels, task.kind, task.metric, cfg)
+    setup = TrialSetup(model, task.num_labels, task.kind, task.metric, cfg)
     metric = f"dev_{task.metric}"
     baseline = majority_baseline(task)
     print(f"[finetune] {task.name}: {len(data[0])} train / {len(data[1])} dev examples, {grid_size(cfg)} trials, "
