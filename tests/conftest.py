@@ -108,3 +108,41 @@ def tracker(tmp_path):
 
     lineage = Lineage(tmp_path / "wd")
     return lineage.start("test", {"preset": "test"}, ["test"])
+
+
+class TmpfsMount:
+    """A small tmpfs mounted in a mount namespace of its own: `run` starts commands inside it, `outside` is how this
+    process reaches a path on it (through /proc/PID/root)."""
+
+    def __init__(self, path: Path, proc: subprocess.Popen):
+        self.path, self.proc = path, proc
+
+    def run(self, args: list[str], **kw) -> subprocess.CompletedProcess:
+        return subprocess.run(["nsenter", "--mount", f"--target={self.proc.pid}", "--", *args], **kw)
+
+    def outside(self, path: Path | str = "") -> Path:
+        return Path(f"/proc/{self.proc.pid}/root") / (self.path / path).relative_to("/")
+
+
+@pytest.fixture
+def tmpfs_mount(tmp_path):
+    """mount(size) -> TmpfsMount: a `size` tmpfs at tmp_path/mnt seen only by the commands run inside it; skipped
+    where this user may not mount (the mount namespace needs root, or an unprivileged user namespace)."""
+    mounts = []
+
+    def mount(size: str) -> TmpfsMount:
+        path = tmp_path / "mnt"
+        path.mkdir()
+        script = f"mount -t tmpfs -o size={size} tmpfs {path} && echo mounted && exec sleep 3600"
+        proc = subprocess.Popen(["unshare", "--mount", "sh", "-c", script], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        if proc.stdout.readline().strip() != "mounted":
+            proc.kill()
+            pytest.skip(f"cannot mount a tmpfs in a mount namespace here: {proc.stderr.read().strip()}")
+        mounts.append(proc)
+        return TmpfsMount(path, proc)
+
+    yield mount
+    for proc in mounts:
+        proc.kill()
+        proc.wait()
