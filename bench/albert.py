@@ -1,4 +1,4 @@
-"""ALBERT's parameter reductions (seed 004) against the plain model at equal steps: factorised embedding (E),
+"""ALBERT's parameter reductions (ALBERT §3.1) against the plain model at equal steps: factorised embedding (E),
 all-shared layers, both, each with and without sentence-order prediction (SOP).
 
     .venv/bin/python -m bench.albert                                       # defaults: ~35 min on 2 cores
@@ -14,9 +14,10 @@ so the data is equal and only the loss differs.
 The defaults train 3,000 steps at lr 2e-3 (the pretraining tests' rate; the debug preset's 5e-4 x 800 steps leaves
 the MLM near its unigram loss): sentence order leaves chance only after ~1,500 steps at this size.
 
-Pretraining: the pipeline's MLM (`stages.pretrain.objectives.build_model/make_masker/eval_sums/eval_metrics`) on a
-plain torch engine of `training.engine`, batches fed as the pretraining loop feeds them (`stages.pretrain.loop.
-to_batch/forward`, `sop_labels` with SOP); `--steps` steps for every variant. The debug model (H = 64) would be
+Pretraining: the pipeline's MLM objective (`stages.pretrain.objective_for`, SOP on top where named) and the stage's
+own step and validation pass (`stages.pretrain.loop.train_step`, `validation_sums`) on a plain torch engine of
+`training.engine`, batches made as the pretraining loop makes them (`stages.pretrain.loop.to_batch`, `sop_labels`
+with SOP); `--steps` steps for every variant. The debug model (H = 64) would be
 widened by ALBERT's E = 128, so the debug runs use `--debug-embedding` (E = 32 by default, H/2, as E = 128 is
 H/12 at 1.5B). Validation: a seeded sample of the validation split (`--eval-batches` x `--batch` rows), MLM loss
 with fixed masks, the SOP term apart; SOP accuracy also on the pairs that open a document (in order, [CLS] is
@@ -28,7 +29,7 @@ ZeRO-3 on 16 nodes x 8 GPUs, as `stages/pretrain/__init__.py`'s dry run computes
 
 Fine-tuning: each backbone on rotten-tomatoes with `stages.finetune.trial` (`trial_engine`, `run_epochs`) at one
 grid point x `--seeds`; a trial's score is its best epoch's dev accuracy; mean and sample std over seeds.
-Jobs run in `--procs` spawned processes of `--threads` torch threads (helpers from `bench.objectives`).
+Jobs run in `--procs` spawned processes of `--threads` torch threads (`bench.common.process_pool`).
 Prints one JSON object (also written to `--json PATH`), then the markdown table.
 """
 
@@ -38,7 +39,6 @@ import argparse
 import concurrent.futures as cf
 import dataclasses
 import math
-import multiprocessing as mp
 import sys
 import time
 from pathlib import Path
@@ -46,19 +46,15 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench.objectives import (EVAL_MASK_OFFSET, _floats, _init_worker, _ints, backbone_weights,  # noqa: E402
-                              comma_choices, emit, find_artifacts, finetune_job, finetune_setup, load_sequences, model_config,
-                              summarise_finetune)
-from stages.segment_pairs import NO_PAIR  # noqa: E402
+from bench.common import comma_choices, comma_floats, comma_ints, emit, process_pool
+from bench.objectives import (backbone_weights, find_artifacts, finetune_job, finetune_setup, load_sequences,
+                              model_config, summarise_finetune)
+from stages.segment_pairs import NO_PAIR
 
 SHAPES = (("plain", False, "none"), ("E", True, "none"), ("all-shared", False, "all"),
           ("E + all-shared", True, "all"))
 """(name, factorised embedding, share_layers) - ALBERT's Tables 3/4 axes."""
-PAPER_E = 128  # ALBERT's E (seed 004, Table 3 best all-shared setting)
+PAPER_E = 128  # ALBERT's E (ALBERT Table 3, the best all-shared setting)
 PLAN_NODES, PLAN_GPUS = 16, 8
 
 
@@ -72,14 +68,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=50, help="pretraining warmup steps, then linear decay to 0")
     p.add_argument("--debug-embedding", type=int, default=32, help="E of the debug runs (H = 64)")
     p.add_argument("--eval-batches", type=int, default=64, help="validation batches of --batch sequences")
-    p.add_argument("--ft-lr", type=_floats, default=(1e-3,))
-    p.add_argument("--ft-dropout", type=_floats, default=(0.1,))
-    p.add_argument("--ft-warmup", type=_ints, default=(50,))
-    p.add_argument("--ft-batch", type=_ints, default=(32,))
+    p.add_argument("--ft-lr", type=comma_floats, default=(1e-3,))
+    p.add_argument("--ft-dropout", type=comma_floats, default=(0.1,))
+    p.add_argument("--ft-warmup", type=comma_ints, default=(50,))
+    p.add_argument("--ft-batch", type=comma_ints, default=(32,))
     p.add_argument("--ft-epochs", type=int, default=2)
     p.add_argument("--ft-examples", type=int, default=2000, help="train examples (fixed-seed sample)")
     p.add_argument("--ft-seq-len", type=int, default=64)
-    p.add_argument("--seeds", type=_ints, default=(0, 1, 2), help="fine-tuning seeds")
+    p.add_argument("--seeds", type=comma_ints, default=(0, 1, 2), help="fine-tuning seeds")
     p.add_argument("--seed", type=int, default=0, help="pretraining seed (init, data order, masks)")
     names = tuple(r["name"] for r in variants())
     p.add_argument("--variants", type=comma_choices(names, "variant"), default=names,
@@ -180,29 +176,21 @@ def batch_of(ids: np.ndarray, labels: np.ndarray, sop: bool) -> dict:
 
 # ---------------------------------------------------------------------------------------------- workers
 
-def _validation(engine, masker, val, cfg, batch: int) -> dict[str, float]:
-    """The objective's validation numbers on the fixed sample (fixed masks); with SOP also its accuracy apart on
-    pairs that open a document (where [CLS] is followed by the document's start when in order) and the rest."""
-    import torch
-
-    from stages.pretrain.loop import forward
-    from stages.pretrain.objectives import eval_metrics, eval_sums
+def _validation(engine, objective, masker, val, batch: int) -> dict[str, float]:
+    """The stage's validation pass on the fixed sample (fixed masks); with SOP also its accuracy apart on pairs that
+    open a document (where [CLS] is followed by the document's start when in order) and the rest."""
+    from stages.pretrain.loop import validation_sums
 
     ids, labels, opens = val
-    engine.eval()
-    sums: list[float] = []
+    batches = [batch_of(ids[i * batch:(i + 1) * batch], labels[i * batch:(i + 1) * batch], objective.cfg.sop)
+               for i in range(len(ids) // batch)]
     hits = []
-    with torch.no_grad():
-        for i in range(len(ids) // batch):
-            part = slice(i * batch, (i + 1) * batch)
-            out = forward(engine, masker, batch_of(ids[part], labels[part], cfg.sop), EVAL_MASK_OFFSET + i)
-            batch_sums = eval_sums(cfg, out)
-            sums = [a + b for a, b in zip(sums, batch_sums)] if sums else batch_sums
-            if cfg.sop:
-                hits.append(out["sop_logits"].argmax(-1).cpu().numpy() == labels[part])  # (B,)
-    engine.train()
-    metrics = eval_metrics(cfg, sums)
-    if cfg.sop and opens is not None:
+    def sop_hits(i: int, outputs) -> None:
+        hits.append(outputs["sop_logits"].argmax(-1).cpu().numpy() == labels[i * batch:(i + 1) * batch])  # (B,)
+
+    sums = validation_sums(engine, objective, masker, batches, each=sop_hits if objective.cfg.sop else None)
+    metrics = objective.eval_metrics(sums)
+    if objective.cfg.sop and opens is not None:
         n = len(hits) * batch
         hit, pair, first = np.concatenate(hits), labels[:n] != NO_PAIR, opens[:n]
         for name, rows in (("opening", pair & first), ("rest", pair & ~first)):
@@ -211,30 +199,25 @@ def _validation(engine, masker, val, cfg, batch: int) -> dict[str, float]:
     return {k: round(v, 4) for k, v in metrics.items()}
 
 
-def _train(engine, masker, train, cfg, steps: int, batch: int, every: int = 0,
+def _train(engine, objective, masker, train, steps: int, batch: int, every: int = 0,
            validate=None) -> tuple[dict[str, float], list[dict]]:
-    """`steps` optimizer steps over a seeded permutation (the same stream for every variant); last-50 means, and
-    `validate()` every `every` steps (the learning curve; none when 0)."""
-    import torch
-
-    from stages.pretrain.loop import forward
-    from stages.pretrain.objectives import finish_metrics, step_metrics, step_values
+    """`steps` of the stage's training steps over a seeded permutation (the same stream for every variant);
+    last-50 means, and `validate()` every `every` steps (the learning curve; none when 0)."""
+    from stages.pretrain.loop import train_step
 
     ids, labels = train
-    rng = np.random.default_rng(cfg.seed)
+    rng = np.random.default_rng(objective.cfg.seed)
     order = np.concatenate([rng.permutation(len(ids)) for _ in range(math.ceil(steps * batch / len(ids)))])
-    keys, tail, curve = ("loss", *step_metrics(cfg)), [], []
+    tail, curve = [], []
     for step in range(steps):
         rows = order[step * batch:(step + 1) * batch]
-        torch.manual_seed(cfg.seed * 1_000_003 + step)  # dropout, as the pretraining loop seeds it
-        out = forward(engine, masker, batch_of(ids[rows], labels[rows], cfg.sop), step)
-        engine.backward(out["loss"])
-        engine.step()
-        tail = (tail + [list(step_values(out, keys).values())])[-50:]
+        means = train_step(engine, objective, masker, [batch_of(ids[rows], labels[rows], objective.cfg.sop)], step)
+        means.pop("lr")
+        tail = (tail + [means])[-50:]
         if every and (step + 1) % every == 0 and step + 1 < steps:
             curve.append({"step": step + 1, **validate()})
-    last50 = finish_metrics(dict(zip(keys, np.mean(tail, 0))))
-    return {f"train_{k}_last50": round(float(v), 4) for k, v in last50.items()}, curve
+    last50 = objective.finish_step_metrics({k: float(np.mean([m[k] for m in tail])) for k in tail[0]})
+    return {f"train_{k}_last50": round(v, 4) for k, v in last50.items()}, curve
 
 
 def pretrain_job(job: dict[str, Any]) -> dict[str, Any]:
@@ -242,23 +225,24 @@ def pretrain_job(job: dict[str, Any]) -> dict[str, Any]:
 
     from training.engine import build
     from core.tokenizer import Tokenizer
+    from stages.pretrain import objective_for
     from stages.pretrain.loop import optim_spec
-    from stages.pretrain.objectives import build_model, make_masker
 
     args, run, model = job["args"], job["run"], job["model"]
-    cfg = pretrain_config(run, args)
+    objective = objective_for(pretrain_config(run, args))
     tok = Tokenizer.load(job["vocab_dir"])
     train = load_split(job["tok_dir"], "train")
     val = validation_sample(job["tok_dir"], args.eval_batches * args.batch, args.seed)
-    factory, _ = build_model(cfg, model)
-    engine = build(factory, optim_spec(cfg), seed=cfg.seed)
-    masker = make_masker(cfg, len(tok), tok.mask_id, list(tok.special_ids.values()),
-                         torch.from_numpy(tok.word_start_mask()))
+    factory, _ = objective.build_model(model)
+    engine = build(factory, optim_spec(objective.cfg), seed=args.seed)
+    masker = objective.masker(len(tok), tok.mask_id, list(tok.special_ids.values()),
+                              torch.from_numpy(tok.word_start_mask()))
+
     def validate() -> dict[str, float]:
-        return _validation(engine, masker, val, cfg, args.batch)
+        return _validation(engine, objective, masker, val, args.batch)
 
     wall, cpu = time.perf_counter(), time.process_time()
-    train_metrics, curve = _train(engine, masker, train, cfg, args.steps, args.batch, args.eval_every, validate)
+    train_metrics, curve = _train(engine, objective, masker, train, args.steps, args.batch, args.eval_every, validate)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu  # learning-curve validations included
     validation = validate()
     curve.append({"step": args.steps, **validation})
@@ -273,8 +257,7 @@ def run_all(args, runs, common: dict, setups: dict, ft: tuple) -> tuple[list[dic
     """Pretraining jobs first, each backbone's fine-tuning trials as soon as it is ready."""
     _, data, grid, _, _ = ft
     pretrained, trials = [], []
-    ctx = mp.get_context("spawn")
-    with cf.ProcessPoolExecutor(args.procs, mp_context=ctx, initializer=_init_worker, initargs=(args.threads,)) as ex:
+    with process_pool(args.procs, args.threads) as ex:
         pending = {ex.submit(pretrain_job, {**common, "run": r, "model": setups[r["name"]].model}): "pretrain"
                    for r in runs}
         while pending:
@@ -306,13 +289,12 @@ def paper_size(run: dict[str, Any]) -> dict[str, Any]:
 
     from core.config import PretrainConfig
     from pipeline.presets import MODEL_1_5B
-    from stages.base import model_config as deberta_config
-    from stages.pretrain.objectives import build_model, parameter_counts
+    from stages.pretrain import objective_for
 
-    model = variant_model(deberta_config(MODEL_1_5B), run, PAPER_E)
-    cfg = PretrainConfig(objective="mlm", sop=run["sop"])
-    counts = parameter_counts(cfg, model)
-    factory, _ = build_model(cfg, model)
+    model = variant_model(MODEL_1_5B, run, PAPER_E)
+    objective = objective_for(PretrainConfig(objective="mlm", sop=run["sop"]))
+    counts = objective.parameter_counts(model)
+    factory, _ = objective.build_model(model)
     with torch.device("meta"):  # nothing allocated
         largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in factory().modules())
     total = counts["total"]

@@ -6,10 +6,11 @@
 Data: the pipeline's own token sequences - the `tokenize` artifact of the debug preset on the built-in news corpus
 under `--workdir` (made by `pipeline.run --until tokenize` when missing; that starts Ray, so run the bench inside
 `unshare --net sh -c 'ip link set lo up && ...'` the first time) and its vocab artifact. Model: the debug shape
-(`pipeline.presets.MODEL_DEBUG`, embedding rows = tokenizer length padded to a multiple of 100).
+(`deberta.config.debug()`, embedding rows = tokenizer length padded to a multiple of 100).
 
-Pretraining (`stages.pretrain.objectives`: its `build_model`, `make_masker`, `train_flops_per_token`, `eval_sums`,
-`eval_metrics`, on a plain torch engine of `training.engine`): MLM gets `--steps` S; each RTD variant
+Pretraining (the stage's objective, `stages.pretrain.objective_for`, and its step and validation pass,
+`stages.pretrain.loop.train_step` and `validation_sums`, on a plain torch engine of `training.engine`): MLM gets
+`--steps` S; each RTD variant
 S * flops_mlm / flops_rtd steps of the same batch, so every run spends the same training FLOPs, the generator's
 included. Every run reads the same seeded stream of sequences (RTD a shorter prefix of it), from the same seed.
 `none` is the control: the backbone at initialisation, no pretraining.
@@ -19,7 +20,7 @@ discriminator, embeddings merged as `deberta.rtd.discriminator_weights` does) on
 x every seed; a trial's score is its best epoch's dev accuracy; per objective the grid point with the best mean
 over seeds is reported (mean and sample std over seeds), as the finetune stage selects.
 
-Embeddings (seed 001, Table 1): the average cosine similarity between *different* randomly sampled word pieces
+Embeddings (DeBERTaV3 Table 1): the average cosine similarity between *different* randomly sampled word pieces
 inside one table (mean over all pairs of `--cos-samples` seeded pieces that occur >= `--cos-min-count` times in
 the train split) - for E_G, E_D and under GDES also E_delta (E_D = E_G + E_delta). This is what Table 1 reports
 (ES 0.02/0.02, NES 0.45/0.02, GDES 0.45/0.29). Beside it, the mean cosine between the same piece's rows of E_G and
@@ -36,43 +37,18 @@ import argparse
 import concurrent.futures as cf
 import json
 import math
-import multiprocessing as mp
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from bench.common import comma_choices, comma_floats, comma_ints, emit, process_pool
 
 OBJECTIVES = ("none", "mlm", "gdes", "es", "nes")
 """none: no pretraining (the initial backbone); mlm: DeBERTa's MLM; gdes/es/nes: RTD with that embedding sharing."""
-EVAL_MASK_OFFSET = 1 << 30  # validation masks never coincide with a training step's
 WORD_TABLE = "embeddings.word_embeddings.weight"
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(","))
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(","))
-
-
-def comma_choices(known: Sequence[str], what: str):
-    """An argparse type: a comma list, each item one of `known` (one clear error naming the first that is not)."""
-    def parse(text: str) -> tuple[str, ...]:
-        names = tuple(x.strip() for x in text.split(",") if x.strip())
-        bad = [n for n in names if n not in known]
-        if bad or not names:
-            raise argparse.ArgumentTypeError(f"unknown {what} {bad[0] if bad else '(none given)'!r}; "
-                                             f"use a comma list of: {', '.join(known)}")
-        return names
-
-    return parse
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,17 +61,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16, help="sequences per pretraining step (all objectives)")
     p.add_argument("--lr", type=float, default=5e-4, help="peak pretraining lr (the debug preset's)")
     p.add_argument("--warmup", type=int, default=50, help="pretraining warmup steps, then linear decay to 0")
-    p.add_argument("--rtd-weight", type=float, default=50.0, help="lambda of L_MLM + lambda*L_RTD (seed 001)")
+    p.add_argument("--rtd-weight", type=float, default=50.0, help="lambda of L_MLM + lambda*L_RTD (DeBERTaV3 §2.3)")
     p.add_argument("--eval-batches", type=int, default=32, help="validation batches of --batch sequences")
     p.add_argument("--log-every", type=int, default=100, help="steps per point of the train-loss curve (JSON)")
-    p.add_argument("--ft-lr", type=_floats, default=(1e-3, 2e-3))
-    p.add_argument("--ft-dropout", type=_floats, default=(0.1,))
-    p.add_argument("--ft-warmup", type=_ints, default=(50,))
-    p.add_argument("--ft-batch", type=_ints, default=(32,))
+    p.add_argument("--ft-lr", type=comma_floats, default=(1e-3, 2e-3))
+    p.add_argument("--ft-dropout", type=comma_floats, default=(0.1,))
+    p.add_argument("--ft-warmup", type=comma_ints, default=(50,))
+    p.add_argument("--ft-batch", type=comma_ints, default=(32,))
     p.add_argument("--ft-epochs", type=int, default=3)
     p.add_argument("--ft-examples", type=int, default=2000, help="train examples (fixed-seed sample)")
     p.add_argument("--ft-seq-len", type=int, default=64)
-    p.add_argument("--seeds", type=_ints, default=(0, 1, 2), help="fine-tuning seeds per grid point")
+    p.add_argument("--seeds", type=comma_ints, default=(0, 1, 2), help="fine-tuning seeds per grid point")
     p.add_argument("--seed", type=int, default=0, help="pretraining seed (init, data order, masks)")
     p.add_argument("--cos-samples", type=int, default=1000, help="word pieces sampled for the Table 1 analysis")
     p.add_argument("--cos-min-count", type=int, default=20, help="occurrences in the train split a piece needs")
@@ -157,35 +133,36 @@ def load_sequences(tok_dir: Path, split: str) -> np.ndarray:
 
 def model_config(vocab_dir: Path):
     """The debug shape with embedding rows = the tokenizer's length padded to a multiple of 100."""
-    from deberta.config import DebertaConfig
-    from pipeline.presets import MODEL_DEBUG
+    from deberta.config import debug, padded_vocab_size
     from core.tokenizer import Tokenizer
 
-    tokenizer_len = len(Tokenizer.load(vocab_dir))
-    return DebertaConfig.from_dict(MODEL_DEBUG.to_dict()).replace(vocab_size=math.ceil(tokenizer_len / 100) * 100)
+    return debug(vocab_size=padded_vocab_size(len(Tokenizer.load(vocab_dir))))
 
 
-def pretrain_config(objective: str, steps: int, args):
-    """The pipeline's PretrainConfig of one objective (one worker, no accumulation)."""
+def pretrain_config(variant: str, steps: int, args):
+    """The pipeline's PretrainConfig of one variant (one worker, no accumulation)."""
     from core.config import PretrainConfig
 
-    rtd = objective in ("gdes", "es", "nes")
+    rtd = variant in ("gdes", "es", "nes")
     return PretrainConfig(num_workers=1, micro_batch_size=args.batch, train_batch_size=args.batch, lr=args.lr,
                           warmup_steps=args.warmup, max_steps=max(1, steps), objective="rtd" if rtd else "mlm",
-                          embedding_sharing=objective if rtd else "gdes", rtd_weight=args.rtd_weight, seed=args.seed)
+                          embedding_sharing=variant if rtd else "gdes", rtd_weight=args.rtd_weight, seed=args.seed)
 
 
 def plan_runs(args, model, seq_len: int) -> list[dict[str, Any]]:
-    """Steps and FLOPs per objective: MLM S steps, RTD round(S * flops_mlm / flops_rtd), none 0."""
-    from stages.pretrain.objectives import train_flops_per_token
+    """Steps and FLOPs per variant: MLM S steps, RTD round(S * flops_mlm / flops_rtd), none 0."""
+    from stages.pretrain import objective_for
+
+    def flops(variant: str) -> float:
+        return objective_for(pretrain_config(variant, 1, args)).train_flops_per_token(model, seq_len)
 
     tokens_per_step = args.batch * seq_len
-    f_mlm = train_flops_per_token(pretrain_config("mlm", 1, args), model, seq_len)
+    f_mlm = flops("mlm")
     runs = []
-    for objective in args.objectives:
-        f = train_flops_per_token(pretrain_config(objective, 1, args), model, seq_len)
-        steps = 0 if objective == "none" else args.steps if objective == "mlm" else round(args.steps * f_mlm / f)
-        runs.append({"objective": objective, "steps": steps, "flops_per_token": f,
+    for variant in args.objectives:
+        f = flops(variant)
+        steps = 0 if variant == "none" else args.steps if variant == "mlm" else round(args.steps * f_mlm / f)
+        runs.append({"objective": variant, "steps": steps, "flops_per_token": f,
                      "train_flops": f * steps * tokens_per_step, "tokens": steps * tokens_per_step})
     return runs
 
@@ -203,7 +180,7 @@ def sample_pieces(train: np.ndarray, tokenizer, n: int, min_count: int, seed: in
 # ----------------------------------------------------------------------------------------------- embeddings
 
 def mean_pairwise_cosine(table, rows) -> float:
-    """Seed 001 Table 1: the mean cosine similarity over every pair of different sampled rows of one table."""
+    """DeBERTaV3 Table 1: the mean cosine similarity over every pair of different sampled rows of one table."""
     import torch
     import torch.nn.functional as F
 
@@ -222,121 +199,100 @@ def mean_row_cosine(a, b, rows) -> float:
     return float(F.cosine_similarity(a[idx].double(), b[idx].double(), dim=-1).mean())
 
 
-def embedding_tables(objective: str, state: dict) -> dict[str, Any]:
+def embedding_tables(variant: str, state: dict) -> dict[str, Any]:
     """The word tables of a pretraining model's state dict: E_G (generator), E_delta (GDES), E_D (what the
     fine-tuned backbone reads: the MLM model's one table, or the discriminator's merged one)."""
     from deberta.rtd import DISCRIMINATOR_PREFIX, GENERATOR_PREFIX, discriminator_weights
 
-    if objective in ("none", "mlm"):
+    if variant in ("none", "mlm"):
         return {"E_D": state["deberta." + WORD_TABLE]}
     tables = {"E_G": state[GENERATOR_PREFIX + "deberta." + WORD_TABLE],
-              "E_D": discriminator_weights(state, objective)[WORD_TABLE]}
-    if objective == "gdes":
+              "E_D": discriminator_weights(state, variant)[WORD_TABLE]}
+    if variant == "gdes":
         tables["E_delta"] = state[DISCRIMINATOR_PREFIX + WORD_TABLE]
     return tables
 
 
-def embedding_stats(objective: str, state: dict, rows: np.ndarray) -> dict[str, float]:
-    tables = embedding_tables(objective, state)
+def embedding_stats(variant: str, state: dict, rows: np.ndarray) -> dict[str, float]:
+    tables = embedding_tables(variant, state)
     stats = {f"pairwise_cos_{name}": round(mean_pairwise_cosine(t, rows), 4) for name, t in tables.items()}
     if "E_G" in tables:
         stats["row_cos_E_G_E_D"] = round(mean_row_cosine(tables["E_G"], tables["E_D"], rows), 4)
     return stats
 
 
-def backbone_weights(objective: str, state: dict) -> dict[str, np.ndarray]:
+def backbone_weights(variant: str, state: dict) -> dict[str, np.ndarray]:
     """The `deberta.*` tensors fine-tuning loads (RTD: the discriminator, E_G + E_delta merged under GDES)."""
     from deberta.rtd import discriminator_weights
 
-    if objective in ("none", "mlm"):
-        out = {k: v for k, v in state.items() if k.startswith("deberta.")}
+    if variant in ("none", "mlm"):
+        weights = {k: v for k, v in state.items() if k.startswith("deberta.")}
     else:
-        out = {"deberta." + k: v for k, v in discriminator_weights(state, objective).items()}
-    return {k: v.detach().cpu().numpy().copy() for k, v in out.items()}  # numpy: no shared-memory handles
+        weights = {"deberta." + k: v for k, v in discriminator_weights(state, variant).items()}
+    return {k: v.detach().cpu().numpy().copy() for k, v in weights.items()}  # numpy: no shared-memory handles
 
 
 # -------------------------------------------------------------------------------------------------- workers
 
-def _init_worker(threads: int) -> None:
-    import torch
+def _validation(engine, objective, masker, val: np.ndarray, batches: int, batch: int) -> dict[str, float]:
+    """The stage's validation pass on the first `batches` batches (fixed masks and RTD draws)."""
+    from stages.pretrain.loop import to_batch, validation_sums
 
-    torch.set_num_threads(threads)
-    torch.set_num_interop_threads(1)
-
-
-def _validation(engine, masker, val: np.ndarray, cfg, batches: int, batch: int) -> dict[str, float]:
-    """The objective's validation numbers on fixed batches with fixed masks (and fixed RTD draws)."""
-    import torch
-
-    from stages.pretrain.objectives import eval_metrics, eval_sums
-
-    engine.eval()
-    sums: list[float] = []
-    with torch.no_grad():
-        for i in range(min(batches, len(val) // batch)):
-            ids = torch.from_numpy(val[i * batch:(i + 1) * batch].astype(np.int64))  # (B, T)
-            masked, labels = masker(ids, step=EVAL_MASK_OFFSET + i)
-            extra = {"generator": EVAL_MASK_OFFSET + i} if cfg.objective == "rtd" else {}
-            out = engine(input_ids=masked, attention_mask=ids != 0, labels=labels, **extra)
-            batch_sums = eval_sums(cfg, out)
-            sums = [a + b for a, b in zip(sums, batch_sums)] if sums else batch_sums
-    engine.train()
-    return {k: round(v, 4) for k, v in eval_metrics(cfg, sums).items()}
+    val_batches = [to_batch({"input_ids": val[i * batch:(i + 1) * batch]})
+                   for i in range(min(batches, len(val) // batch))]
+    sums = validation_sums(engine, objective, masker, val_batches)
+    return {k: round(v, 4) for k, v in objective.eval_metrics(sums).items()}
 
 
-def _train(engine, masker, train: np.ndarray, cfg, steps: int, batch: int, log_every: int) -> list[dict]:
-    """`steps` optimizer steps over a seeded permutation of the train sequences (the same stream for every
-    objective); returns the train-loss curve (means over `log_every` steps)."""
-    import torch
-
-    from stages.pretrain.objectives import finish_metrics, step_metrics, step_values
+def _train(engine, objective, masker, train: np.ndarray, steps: int, batch: int, log_every: int) -> list[dict]:
+    """`steps` of the stage's training steps over a seeded permutation of the train sequences (the same stream for
+    every variant); returns the train-loss curve (means over `log_every` steps)."""
+    from stages.pretrain.loop import to_batch, train_step
 
     epochs = math.ceil(steps * batch / len(train)) if steps else 0
-    rng = np.random.default_rng(cfg.seed)
+    rng = np.random.default_rng(objective.cfg.seed)
     order = np.concatenate([rng.permutation(len(train)) for _ in range(epochs)]) if epochs else np.zeros(0, int)
-    keys, curve, acc = ("loss", *step_metrics(cfg)), [], []
+    curve, acc = [], []
     for step in range(steps):
-        ids = torch.from_numpy(train[order[step * batch:(step + 1) * batch]].astype(np.int64))  # (B, T)
-        torch.manual_seed(cfg.seed * 1_000_003 + step)  # dropout and RTD draws, as the pretraining loop seeds them
-        masked, labels = masker(ids, step=step)
-        out = engine(input_ids=masked, attention_mask=ids != 0, labels=labels)
-        engine.backward(out["loss"])
-        engine.step()
-        acc.append(list(step_values(out, keys).values()))
+        rows = order[step * batch:(step + 1) * batch]
+        means = train_step(engine, objective, masker, [to_batch({"input_ids": train[rows]})], step)
+        means.pop("lr")
+        acc.append(means)
         if len(acc) == log_every or step == steps - 1:
-            means = finish_metrics(dict(zip(keys, np.mean(acc, 0))))
-            curve.append({"step": step + 1, **{k: round(float(v), 4) for k, v in means.items()}})
+            window = objective.finish_step_metrics({k: float(np.mean([m[k] for m in acc])) for k in acc[0]})
+            curve.append({"step": step + 1, **{k: round(v, 4) for k, v in window.items()}})
             acc = []
     return curve
 
 
 def pretrain_job(job: dict[str, Any]) -> dict[str, Any]:
-    """One objective's pretraining run in a worker process: engine, train, validate, embeddings, backbone."""
+    """One variant's pretraining run in a worker process: engine, train, validate, embeddings, backbone."""
     import torch
 
     from training.engine import build
     from core.tokenizer import Tokenizer
+    from stages.pretrain import objective_for
     from stages.pretrain.loop import optim_spec
-    from stages.pretrain.objectives import build_model, make_masker
 
-    args, run, objective = job["args"], job["run"], job["run"]["objective"]
-    cfg = pretrain_config(objective, run["steps"], args)
+    args, run, variant = job["args"], job["run"], job["run"]["objective"]
+    cfg = pretrain_config(variant, run["steps"], args)
+    objective = objective_for(cfg)
     tok = Tokenizer.load(job["vocab_dir"])
     train, val = load_sequences(job["tok_dir"], "train"), load_sequences(job["tok_dir"], "validation")
-    factory, _ = build_model(cfg, job["model"])
+    factory, _ = objective.build_model(job["model"])
     engine = build(factory, optim_spec(cfg), seed=cfg.seed)
-    masker = make_masker(cfg, len(tok), tok.mask_id, list(tok.special_ids.values()),
-                         torch.from_numpy(tok.word_start_mask()))
+    masker = objective.masker(len(tok), tok.mask_id, list(tok.special_ids.values()),
+                              torch.from_numpy(tok.word_start_mask()))
     wall, cpu = time.perf_counter(), time.process_time()
-    curve = _train(engine, masker, train, cfg, run["steps"], args.batch, args.log_every)
+    curve = _train(engine, objective, masker, train, run["steps"], args.batch, args.log_every)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    val_metrics = _validation(engine, masker, val, cfg, args.eval_batches, args.batch)
+    val_metrics = _validation(engine, objective, masker, val, args.eval_batches, args.batch)
     state = {k: v.detach() for k, v in engine.module.state_dict().items()}
     return {**run, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
             "tokens_per_s": round(run["tokens"] / wall) if run["steps"] else None,
             "params": sum(p.numel() for p in engine.module.parameters()), "validation": val_metrics,
-            "curve": curve, "embeddings": embedding_stats(objective, state, job["rows"]),
-            "weights": backbone_weights(objective, state)}
+            "curve": curve, "embeddings": embedding_stats(variant, state, job["rows"]),
+            "weights": backbone_weights(variant, state)}
 
 
 def finetune_job(job: dict[str, Any]) -> dict[str, Any]:
@@ -350,7 +306,7 @@ def finetune_job(job: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     engine = trial_engine(setup, config, weights, optim_spec(setup.ft, config, len(data[0])))
     epochs: list[dict[str, Any]] = []
-    run_epochs(engine, data, setup, config, lambda result, _best: epochs.append(result))
+    run_epochs(engine, data, setup, config, lambda result, *_: epochs.append(result))
     best = max(epochs, key=lambda r: r[f"dev_{setup.metric}"])
     return {"objective": job["objective"], **config, "best_epoch": best["epoch"],
             "dev": round(best[f"dev_{setup.metric}"], 4), "wall_s": round(time.perf_counter() - started, 1),
@@ -383,8 +339,7 @@ def finetune_setup(args, model, vocab_dir: Path):
 def run_all(args, runs, common: dict, ft_common: dict) -> tuple[list[dict], list[dict]]:
     """Pretraining jobs first (in `runs` order), each backbone's fine-tuning trials as soon as it is ready."""
     pretrained, trials = [], []
-    ctx = mp.get_context("spawn")  # a fresh interpreter per worker: no forked torch thread pools
-    with cf.ProcessPoolExecutor(args.procs, mp_context=ctx, initializer=_init_worker, initargs=(args.threads,)) as ex:
+    with process_pool(args.procs, args.threads) as ex:
         pending = {ex.submit(pretrain_job, {**common, "run": run}): "pretrain" for run in runs}
         while pending:
             done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
@@ -424,7 +379,7 @@ def _fmt(value, digits: int = 3) -> str:
 
 
 def tables(report: dict[str, Any]) -> str:
-    """Two markdown tables: pretraining + fine-tuning, and seed 001's Table 1 analysis."""
+    """Two markdown tables: pretraining + fine-tuning, and DeBERTaV3's Table 1 analysis."""
     metric = report["finetune"]["metric"]
     lines = [f"| objective | steps | train TFLOP | wall s | CPU s | val MLM loss | val RTD loss | RTD acc (all-original) "
              f"| dev {metric} (mean ± std, {len(report['finetune']['seeds'])} seeds) | selected lr |",
@@ -445,22 +400,11 @@ def tables(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def emit(report: dict[str, Any], json_path: Path | None, table: str) -> None:
-    """A bench's output: the JSON report (also written to `json_path` when given), then its table."""
-    text = json.dumps(report, indent=2)
-    print(text)
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(text + "\n")
-    print()
-    print(table)
-
-
 def build_report(args, argv, runs, pretrained, trials, ft, data_info, started: float) -> dict[str, Any]:
     setup, data, grid, baseline, task = ft
     by_name = {r["objective"]: r for r in pretrained}
-    out = {name["objective"]: {"pretrain": by_name[name["objective"]],
-                               "finetune": summarise_finetune(name["objective"], trials, grid)} for name in runs}
+    per_run = {r["objective"]: {"pretrain": by_name[r["objective"]],
+                                "finetune": summarise_finetune(r["objective"], trials, grid)} for r in runs}
     return {
         "command": " ".join(["python -m bench.objectives", *argv]),
         "data": data_info,
@@ -479,9 +423,9 @@ def build_report(args, argv, runs, pretrained, trials, ft, data_info, started: f
                      "grid": grid, "seeds": list(args.seeds), "score": "best epoch's dev metric per trial; "
                      "the grid point with the best mean over seeds; std over seeds (ddof=1)"},
         "embeddings": {"pieces": data_info["cos_pieces"], "min_count": args.cos_min_count,
-                       "pairwise": "seed 001 Table 1: mean cosine over all pairs of different sampled pieces "
+                       "pairwise": "DeBERTaV3 Table 1: mean cosine over all pairs of different sampled pieces "
                                    "within one table", "row": "mean cosine of the same piece's E_G and E_D rows"},
-        "runs": out,
+        "runs": per_run,
         "procs": args.procs, "threads": args.threads, "wall_s": round(time.time() - started, 1),
     }
 

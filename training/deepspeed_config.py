@@ -1,15 +1,19 @@
 """The one place a DeepSpeed config is built, for pretraining (`PretrainConfig`) and a fine-tuning trial.
 
-Only DeepSpeed's own settings live here: ZeRO stage, precision (bf16 on GPU, fp32 on CPU, where gloo has no bf16
-all-reduce worth having), the batch arithmetic and clipping. The optimizer and the schedule are client objects
-built by `training.engine` (DeepSpeed's own Adam JIT-compiles a C++/CUDA op for minutes; its `WarmupDecayLR` is off
-by two steps against the reference linear schedule), so the JSON has no "optimizer" or "scheduler" section and
-allows ZeRO with an "untested" optimizer. Inputs are valid: `core.config.validate` checked them.
+`DeepSpeedConfig` is typed; `to_dict()` writes the JSON DeepSpeed reads and nothing reads it back. Only DeepSpeed's
+own settings live here: ZeRO stage, precision (bf16 on GPU, fp32 on CPU, where gloo has no bf16 all-reduce worth
+having), the batch arithmetic and clipping. The optimizer and the schedule are client objects built by
+`training.engine` (DeepSpeed's own Adam JIT-compiles a C++/CUDA op for minutes; its `WarmupDecayLR` is off by two
+steps against the reference linear schedule), so the JSON has no "optimizer" or "scheduler" section and allows ZeRO
+with an "untested" optimizer. Inputs are valid: `core.config.validate` checked them.
+
+What differs between ZeRO stages is decided here and only here (`DeepSpeedConfig`'s properties and `to_dict`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from core.config import PretrainConfig, pretrain_accumulation
 
@@ -17,37 +21,67 @@ QUIET_STEPS = 10**9
 """DeepSpeed prints its own progress every `steps_per_print`; the training loop prints ours instead."""
 
 
-def engine_config(train_batch: int, micro: int, accum: int, clip: float, zero_stage: int,
-                  use_gpu: bool) -> dict[str, Any]:
-    """DeepSpeed JSON: batch arithmetic, clipping, ZeRO, precision."""
-    zero: dict[str, Any] = {"stage": zero_stage}
-    if zero_stage >= 2:
-        zero.update(contiguous_gradients=True, overlap_comm=use_gpu, reduce_scatter=True)
-    if zero_stage == 3:
-        # lets `engine.save_16bit_model` gather a full state dict (fine-tuning saves the best epoch with it)
-        zero["stage3_gather_16bit_weights_on_model_save"] = True
-    return {
-        "train_batch_size": train_batch,
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": accum,
-        "gradient_clipping": clip,
-        "zero_optimization": zero,
-        "zero_allow_untested_optimizer": True,  # the client torch AdamW
-        "bf16": {"enabled": bool(use_gpu)},
-        "fp16": {"enabled": False},
-        "steps_per_print": QUIET_STEPS,
-        "wall_clock_breakdown": False,
-    }
+@dataclass(frozen=True)
+class DeepSpeedConfig:
+    """One DeepSpeed engine's settings."""
+
+    train_batch: int
+    """Sequences (examples) per optimizer step over all ranks."""
+    micro: int
+    """Per rank per forward pass."""
+    accumulation: int
+    """Micro-batches per optimizer step on each rank."""
+    grad_clip: float
+    zero_stage: int
+    """ZeRO 0 (plain data parallel), 1 (optimizer states sharded), 2 (+ gradients), 3 (+ parameters)."""
+    use_gpu: bool
+    """bf16 on GPU (NCCL); fp32 on CPU (gloo)."""
+    zero_options: Mapping[str, Any] = field(default_factory=dict)
+    """Extra `zero_optimization` settings (tests size DeepSpeed's buffers for a CPU with them)."""
+
+    @property
+    def partitions_parameters(self) -> bool:
+        """ZeRO-3: every rank holds 1/world of each parameter, so the model is built inside `deepspeed.zero.Init` and
+        initialised module by module on gathered parameters (`training.engine.construct`)."""
+        return self.zero_stage == 3
+
+    @property
+    def sharded_checkpoint(self) -> bool:
+        """ZeRO 1-3 save optimizer (and parameter) shards per rank, merged by DeepSpeed's `zero_to_fp32`; ZeRO-0's
+        checkpoint holds the whole model in rank 0's module states."""
+        return self.zero_stage > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """DeepSpeed JSON: batch arithmetic, clipping, ZeRO, precision."""
+        zero: dict[str, Any] = {"stage": self.zero_stage}
+        if self.zero_stage >= 2:
+            zero.update(contiguous_gradients=True, overlap_comm=self.use_gpu, reduce_scatter=True)
+        if self.partitions_parameters:
+            # lets `engine.save_16bit_model` gather a full state dict (fine-tuning saves the best epoch with it)
+            zero["stage3_gather_16bit_weights_on_model_save"] = True
+        zero.update(self.zero_options)
+        return {
+            "train_batch_size": self.train_batch,
+            "train_micro_batch_size_per_gpu": self.micro,
+            "gradient_accumulation_steps": self.accumulation,
+            "gradient_clipping": self.grad_clip,
+            "zero_optimization": zero,
+            "zero_allow_untested_optimizer": True,  # the client torch AdamW
+            "bf16": {"enabled": bool(self.use_gpu)},
+            "fp16": {"enabled": False},
+            "steps_per_print": QUIET_STEPS,
+            "wall_clock_breakdown": False,
+        }
 
 
-def build_deepspeed_config(cfg: PretrainConfig, world_size: int, use_gpu: bool) -> dict[str, Any]:
-    """DeepSpeed JSON of the pretraining engine on `world_size` workers."""
-    return engine_config(cfg.train_batch_size, cfg.micro_batch_size, pretrain_accumulation(cfg, world_size),
-                         cfg.grad_clip, cfg.zero_stage, use_gpu)
+def build_deepspeed_config(cfg: PretrainConfig, world_size: int, use_gpu: bool) -> DeepSpeedConfig:
+    """The pretraining engine on `world_size` workers."""
+    return DeepSpeedConfig(cfg.train_batch_size, cfg.micro_batch_size, pretrain_accumulation(cfg, world_size),
+                           cfg.grad_clip, cfg.zero_stage, use_gpu)
 
 
 def build_finetune_config(grad_clip: float, zero_stage: int, use_gpu: bool, batch_size: int,
-                          world_size: int) -> dict[str, Any]:
-    """DeepSpeed JSON of one fine-tuning trial: `batch_size` examples per step split evenly over the workers
+                          world_size: int) -> DeepSpeedConfig:
+    """One fine-tuning trial: `batch_size` examples per step split evenly over the workers
     (`check_finetune_trainer` made sure every grid batch size divides)."""
-    return engine_config(batch_size, batch_size // world_size, 1, grad_clip, zero_stage, use_gpu)
+    return DeepSpeedConfig(batch_size, batch_size // world_size, 1, grad_clip, zero_stage, use_gpu)

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import io
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
+
+from training.deepspeed_config import DeepSpeedConfig
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,7 @@ def _load(model: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
         raise ValueError(f"weights do not fit the model: {len(unexpected)} unknown tensors, e.g. {unexpected[:3]}")
 
 
-def _heap_trimmer() -> Callable[[], None]:
+def heap_trimmer() -> Callable[[], None]:
     """glibc's `malloc_trim(0)`: return the free pages of its heaps to the OS (a no-op where there is no glibc).
 
     Why: after the first large free, glibc raises its mmap threshold (up to 32 MiB), so later tensors of that size
@@ -184,12 +187,12 @@ def _heap_trimmer() -> Callable[[], None]:
 
 
 @contextlib.contextmanager
-def _zero_init(ds_config: dict[str, Any]):
+def _zero_init(ds_config: DeepSpeedConfig):
     """`deepspeed.zero.Init` that hands freed heap pages back after each module is partitioned, and after each
     module DeepSpeed's `apply` gathered, initialised and re-partitioned (the model's own `self.apply(init)`)."""
     import deepspeed
 
-    trim = _heap_trimmer()
+    trim = heap_trimmer()
 
     class TrimmingInit(deepspeed.zero.Init):
         def _post_init_method(self, module):
@@ -198,7 +201,7 @@ def _zero_init(ds_config: dict[str, Any]):
 
     torch_apply = nn.Module.apply
     try:
-        with TrimmingInit(config_dict_or_path=ds_config):
+        with TrimmingInit(config_dict_or_path=ds_config.to_dict()):
             gathering_apply = nn.Module.apply  # DeepSpeed's, while the context is open
 
             def apply(module: nn.Module, fn):
@@ -219,7 +222,7 @@ def _init_zero3(model: nn.Module, init_module: Callable[[nn.Module], None] | Non
     module."""
     import deepspeed
 
-    trim = _heap_trimmer()
+    trim = heap_trimmer()
     known = set()
     for prefix, module in model.named_modules():
         own = list(module.named_parameters(recurse=False))
@@ -240,7 +243,7 @@ def _init_zero3(model: nn.Module, init_module: Callable[[nn.Module], None] | Non
         raise ValueError(f"weights do not fit the model: {len(unexpected)} unknown tensors, e.g. {unexpected[:3]}")
 
 
-def construct(make_model: Callable[[], nn.Module], ds_config: dict[str, Any],
+def construct(make_model: Callable[[], nn.Module], ds_config: DeepSpeedConfig,
               init_module: Callable[[nn.Module], None] | None = None,
               weights: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
     """The model for a DeepSpeed engine: under ZeRO-3 built inside `deepspeed.zero.Init` (each module partitioned
@@ -250,41 +253,40 @@ def construct(make_model: Callable[[], nn.Module], ds_config: dict[str, Any],
     at a time. A parameter exists in full once when its module's constructor makes it (DeepSpeed partitions it
     right after), and again whenever its module is gathered (the model's own `self.apply(init)`, `init_module`,
     `weights`); over gloo a gather takes twice the module (torch's gloo all-gather allocates its output a second
-    time). Freed heap pages go back to the OS after every module (`_heap_trimmer`). Under NCCL all of this is GPU
-    memory. Measured with `bench/zero_init_memory.py` (2 CPU gloo ranks, fp32), peak RSS rise of each rank:
-    the 1.5B's layer x 10, V=8,000 (307M parameters, 1.14 GiB): 1.14-1.17 GiB (1.0x) before the heap trimming,
-    0.69-0.71 GiB (0.60-0.62x) after, its shards being 0.5x (`tests/unit/test_zero_init.py` holds it under 0.7x);
-    H=2048 x 6, V=8,000 (376M, 1.40 GiB): 1.32-1.44 GiB (0.94-1.03x) before, 0.87 GiB (0.62x) after; large's
-    width x 14 with its 128,100 x 1024 embedding (340M, the embedding 0.49 of 1.27 GiB): 2.05-2.06 GiB (1.62x)
-    before, 1.65 GiB (1.31x) after: that embedding, gathered over gloo, is the peak; the whole 1.5B MLM (48 layers,
-    128,100 rows: 1,568M, 5.84 GiB): 4.42 GiB (0.76x), 3.35 GiB held once built. DeepSpeed's own memory comes
-    later and is not counted here: `deepspeed.initialize` adds an fp32 copy of the shards and gradient buffers, the
+    time). Freed heap pages go back to the OS after every module (`heap_trimmer`). Under NCCL all of this is GPU
+    memory. Measured with `bench/zero_init_memory.py` (2 CPU gloo ranks, fp32), peak RSS rise of each rank: the
+    1.5B's layer x 10, V=8,000 (307M parameters, 1.14 GiB): 0.69-0.71 GiB (0.60-0.62x), its shards being 0.5x
+    (`tests/unit/test_zero_init.py` holds it under 0.7x); H=2048 x 6, V=8,000 (376M, 1.40 GiB): 0.87 GiB (0.62x);
+    large's width x 14 with its 128,100 x 1024 embedding (340M, the embedding 0.49 of 1.27 GiB): 1.65 GiB (1.31x):
+    that embedding, gathered over gloo, is the peak; the whole 1.5B MLM (48 layers, 128,100 rows: 1,568M, 5.84 GiB):
+    4.42 GiB (0.76x), 3.35 GiB held once built. DeepSpeed's own memory comes later and is not counted here:
+    `deepspeed.initialize` adds an fp32 copy of the shards and gradient buffers, the
     first step Adam's moments.
     """
-    zero3 = ds_config.get("zero_optimization", {}).get("stage", 0) == 3
-    with _zero_init(ds_config) if zero3 else contextlib.nullcontext():
+    partitioned = ds_config.partitions_parameters
+    with _zero_init(ds_config) if partitioned else contextlib.nullcontext():
         model = make_model()
-    if zero3:
+    if partitioned:
         _init_zero3(model, init_module, weights)
     elif weights is not None:
         _load(model, weights)
     return model
 
 
-def deepspeed_engine(model: nn.Module, spec: OptimSpec, ds_config: dict[str, Any], fused: bool = False) -> Engine:
+def deepspeed_engine(model: nn.Module, spec: OptimSpec, ds_config: DeepSpeedConfig, fused: bool = False) -> Engine:
     """`deepspeed.initialize` around a `construct`ed model and its client AdamW + schedule."""
     import deepspeed
 
     optimizer, scheduler = make_optimizer(model, spec, fused=fused)
     ds_engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                              lr_scheduler=scheduler, config=ds_config)
+                                                              lr_scheduler=scheduler, config=ds_config.to_dict())
     # it moves and copies the shards into its flat buffers; glibc would keep the pages they leave
     # (measured: 0.3-0.4 GiB of a rank of a 335M-parameter model)
-    _heap_trimmer()()
+    heap_trimmer()()
     return Engine(model, optimizer, scheduler, spec, ds_engine)
 
 
-def build(make_model: Callable[[], nn.Module], spec: OptimSpec, *, ds_config: dict[str, Any] | None = None,
+def build(make_model: Callable[[], nn.Module], spec: OptimSpec, *, ds_config: DeepSpeedConfig | None = None,
           backend: str = "gloo", device: torch.device | str = "cpu", seed: int | None = None,
           init_module: Callable[[nn.Module], None] | None = None,
           weights: Mapping[str, torch.Tensor] | None = None) -> Engine:
@@ -308,3 +310,15 @@ def build(make_model: Callable[[], nn.Module], spec: OptimSpec, *, ds_config: di
         return Engine(model, optimizer, scheduler, spec)
     init_distributed(backend)
     return deepspeed_engine(construct(make_model, ds_config, init_module, weights), spec, ds_config, fused)
+
+
+def consolidated_state_dict(checkpoint_dir: Path, tag: str, ds_config: DeepSpeedConfig) -> dict[str, torch.Tensor]:
+    """fp32 state dict of the DeepSpeed checkpoint `tag` under `checkpoint_dir` (every rank's files in one directory)."""
+    if not ds_config.sharded_checkpoint:  # rank 0's module states are the whole model
+        module = torch.load(Path(checkpoint_dir) / tag / "mp_rank_00_model_states.pt", map_location="cpu",
+                            weights_only=False)["module"]
+        return {k: v.float() for k, v in module.items()}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints a line per shard
+        return dict(get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=tag))

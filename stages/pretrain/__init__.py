@@ -1,9 +1,14 @@
-"""Pretrain stage: DeBERTa MLM + EMD on Ray Train (`TorchTrainer`) with DeepSpeed ZeRO.
+"""Pretrain stage: an objective (DeBERTa's MLM + EMD, DeBERTaV3's RTD, either with ALBERT's SOP) on Ray Train
+(`TorchTrainer`) with DeepSpeed ZeRO.
 
-Driver side (this module): check the config and inputs before any worker starts, run the trainer, then
-turn its last checkpoint into the artifact and register it in MLflow. The per-worker loop (DeepSpeed
-engine, span masking, eval, checkpoints) is `stages/pretrain/loop.py`; the order it reads the tokenised
-shards in is `stages/pretrain/data.py`; the DeepSpeed JSON comes from `training/deepspeed_config.py`.
+The package, by what it answers:
+    __init__.py    the driver (this module): `objective_for`, checks before any worker starts, the trainer, the
+                   artifact from the last checkpoint, the registry entry, --dry-run
+    objective.py   what an objective supplies (`Objective`); mlm.py, rtd.py, sop.py implement it
+    loop.py        one training step and one validation pass as plain functions (the benchmarks call them too), and
+                   the Ray Train worker loop around them: engine, data position, evaluation schedule, checkpoints
+    data.py        the order the tokenised train shards are read in
+The DeepSpeed config comes from `training/deepspeed_config.py`, the engine from `training/engine.py`.
 
 Recovery. Every `ckpt_interval` steps each worker saves its DeepSpeed shard and all of them report one
 Ray Train checkpoint (model, optimizer, scheduler, data position). A lost worker: Ray Train restarts the
@@ -13,9 +18,9 @@ storage path, and Ray Train V2 reloads that run's checkpoint snapshot, so `get_c
 returns the latest one (V2's replacement for the deprecated `TorchTrainer.restore`).
 
 Artifact:
-    model/config.json, model/model.pt   consolidated fp32 DebertaForMaskedLM (`deberta.checkpoint`)
+    model/config.json, model/model.pt   the consolidated fp32 model fine-tuning reads (`deberta.checkpoint`)
     tokenizer/spm.model, special_tokens.json
-    hf/                                 transformers DebertaV2ForMaskedLM export (backbone + LM head, no EMD)
+    hf/                                 transformers export; the objective's further directories (its module says)
     metrics.json                        final train/validation numbers, throughput, where it ran
     loss_curve.png                      train loss and validation loss per step
 """
@@ -29,25 +34,30 @@ import math
 import shutil
 import time
 from pathlib import Path
-from typing import Any
-
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow.parquet as pq
 
-from training.deepspeed_config import build_deepspeed_config
+from training.deepspeed_config import DeepSpeedConfig, build_deepspeed_config
 from core.artifacts import Artifact
-from core.config import ModelConfig, PretrainConfig
+from core.config import ConfigError, PretrainConfig
 from core.tokenizer import Tokenizer
 from core.errors import StageInputError
-from stages.base import StageContext, StageResult, model_config
+from stages.base import StageContext, StageResult
+from stages.pretrain.mlm import MLM
+from stages.pretrain.objective import Objective
+from stages.pretrain.rtd import RTD
+from stages.pretrain.sop import SentenceOrder
 
 if TYPE_CHECKING:  # the model library and the worker loop import torch: only inside `run`
     from deberta.config import DebertaConfig
     from stages.pretrain.loop import LoopJob, TrainState
 
-VERSION = "3"  # 3: blocks re-dealt every epoch; 2: the reference schedule, 6n span windows, sampled validation
+VERSION = "3"
+
+OBJECTIVES: dict[str, type[Objective]] = {"mlm": MLM, "rtd": RTD}
+"""`pretrain.objective` -> its implementation (`core.config.OBJECTIVES` lists the same names for `validate`)."""
 
 PLAN_GPUS_PER_NODE = 8
 PLAN_DEVICE = "H100"
@@ -57,7 +67,20 @@ PLAN_MFU = 0.40
 
 # ----------------------------------------------------------------------------------------------- checks
 
-def check_inputs(model: ModelConfig, tokenizer_len: int, seq_len: int) -> None:
+def objective_for(cfg: PretrainConfig) -> Objective:
+    """The objective `cfg` names, with ALBERT's SOP on top when `pretrain.sop` is set."""
+    objective = OBJECTIVES[cfg.objective](cfg)
+    return SentenceOrder(objective) if cfg.sop else objective
+
+
+def check_config(cfg: PretrainConfig, model: DebertaConfig) -> None:
+    """The objective's own settings against the [model] section; run with `validate`, before any stage."""
+    problems = objective_for(cfg).check(model)
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def check_inputs(model: DebertaConfig, tokenizer_len: int, seq_len: int) -> None:
     """What only the input artifacts can tell (the config itself was validated before any stage ran)."""
     problems = []
     if model.vocab_size < tokenizer_len:
@@ -108,37 +131,27 @@ def _trainer(cfg: PretrainConfig, job: "LoopJob", ctx: StageContext):
     )
 
 
-def _loop_job(cfg: PretrainConfig, model: "DebertaConfig", ds_config: dict, seq_len: int, train_files: list[str],
-              val_files: list[str], tok: Tokenizer, tracker) -> "LoopJob":
-    from stages.pretrain import objectives as objectives
+def _loop_job(cfg: PretrainConfig, model: "DebertaConfig", ds_config: DeepSpeedConfig, seq_len: int,
+              train_files: list[str], val_files: list[str], tok: Tokenizer, tracker) -> "LoopJob":
     from stages.pretrain.loop import LoopJob
 
+    objective = objective_for(cfg)
     return LoopJob(
-        cfg=cfg, model=model, ds_config=ds_config, seq_len=seq_len, train_files=tuple(train_files),
-        val_files=tuple(val_files),
-        tokenizer_len=len(tok), mask_id=tok.mask_id,
+        cfg=cfg, objective=objective, model=model, ds_config=ds_config, seq_len=seq_len,
+        train_files=tuple(train_files), val_files=tuple(val_files), tokenizer_len=len(tok), mask_id=tok.mask_id,
         special_ids=tuple(sorted(tok.special_ids.values())),
         word_start=np.packbits(tok.word_start_mask()).tobytes(),
-        train_flops_per_token=objectives.train_flops_per_token(cfg, model, seq_len),
+        train_flops_per_token=objective.train_flops_per_token(model, seq_len),
         tracker=tracker)
 
 
-def consolidate(checkpoint_dir: Path, zero_stage: int) -> tuple[dict, "TrainState"]:
+def consolidate(checkpoint_dir: Path, ds_config: DeepSpeedConfig) -> tuple[dict, "TrainState"]:
     """fp32 state dict of a reported DeepSpeed checkpoint (all ranks' shards merged by Ray Train storage)."""
-    import torch
-
+    from training.engine import consolidated_state_dict
     from stages.pretrain.loop import TrainState
 
     state = TrainState.read(checkpoint_dir)
-    if zero_stage == 0:  # no ZeRO shards: rank 0's module states are the full model
-        module = torch.load(checkpoint_dir / state.tag / "mp_rank_00_model_states.pt", map_location="cpu",
-                            weights_only=False)["module"]
-        return {k: v.float() for k, v in module.items()}, state
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    with contextlib.redirect_stdout(io.StringIO()):  # it prints a line per shard
-        sd = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint_dir), tag=state.tag)
-    return dict(sd), state
+    return consolidated_state_dict(checkpoint_dir, state.tag, ds_config), state
 
 
 def _metric_history(ctx: StageContext, key: str) -> list[tuple[int, float]]:
@@ -166,28 +179,28 @@ def plot_losses(ctx: StageContext, path: Path) -> None:
     plt.close(fig)
 
 
-def write_outputs(out: Path, cfg: PretrainConfig, model: "DebertaConfig", state_dict: dict, vocab: Artifact) -> str:
-    """tokenizer/ and the objective's model directories (`stages.pretrain.objectives.write_models`)."""
-    from stages.pretrain import objectives as objectives
-
+def write_outputs(out: Path, objective: Objective, model: "DebertaConfig", state_dict: dict,
+                  vocab: Artifact) -> str:
+    """tokenizer/ and the objective's model directories (`Objective.write_models`)."""
     (out / "tokenizer").mkdir()
     for name in ("spm.model", "special_tokens.json"):
         shutil.copy2(Path(vocab.path) / name, out / "tokenizer" / name)
-    return objectives.write_models(out, cfg, model, state_dict, out / "tokenizer")
+    return objective.write_models(out, model, state_dict, out / "tokenizer")
 
 
-def run(cfg: PretrainConfig, *, model: ModelConfig, inputs: dict[str, Artifact], out: Path,
+def run(cfg: PretrainConfig, *, model: DebertaConfig, inputs: dict[str, Artifact], out: Path,
         ctx: StageContext) -> StageResult:
     tok = Tokenizer.load(inputs["vocab"].path)
     train_files, train_rows, seq_len = token_shards(inputs["tokenize"], "train")
     val_files, _, _ = token_shards(inputs["tokenize"], "validation")
+    check_config(cfg, model)
     check_inputs(model, len(tok), seq_len)
     ds_config = build_deepspeed_config(cfg, cfg.num_workers, cfg.use_gpu)
     if train_rows < cfg.micro_batch_size * cfg.num_workers:
         raise StageInputError(f"the train split has {train_rows} sequences, fewer than micro_batch_size x workers = "
                               f"{cfg.micro_batch_size * cfg.num_workers}; tokenize more text or shrink the batch")
-    job = _loop_job(cfg, model_config(model), ds_config, seq_len, train_files, val_files, tok, ctx.tracker)
-    ctx.tracker.log_dict({"deepspeed": ds_config, "seq_len": seq_len}, "deepspeed_config.json")
+    job = _loop_job(cfg, model, ds_config, seq_len, train_files, val_files, tok, ctx.tracker)
+    ctx.tracker.log_dict({"deepspeed": ds_config.to_dict(), "seq_len": seq_len}, "deepspeed_config.json")
     started = time.time()
     result = _trainer(cfg, job, ctx).fit()
     if result.checkpoint is None:
@@ -195,15 +208,15 @@ def run(cfg: PretrainConfig, *, model: ModelConfig, inputs: dict[str, Artifact],
     print(f"[pretrain] training finished in {time.time() - started:.0f}s; consolidating {result.checkpoint.path}",
           flush=True)
     with result.checkpoint.as_directory() as d:
-        state_dict, state = consolidate(Path(d), cfg.zero_stage)
+        state_dict, state = consolidate(Path(d), ds_config)
     if state.step != cfg.max_steps:
         raise RuntimeError(f"last checkpoint is {state.tag}, expected step{cfg.max_steps}")
-    hf_note = write_outputs(out, cfg, model_config(model), state_dict, inputs["vocab"])
+    hf_note = write_outputs(out, job.objective, model, state_dict, inputs["vocab"])
     print(f"[pretrain] artifact written after {time.time() - started:.0f}s; logging to MLflow", flush=True)
-    return finish(cfg, model, out, ctx, result.metrics, seq_len, hf_note)
+    return finish(cfg, job.objective, out, ctx, result.metrics, seq_len, hf_note)
 
 
-def finish(cfg: PretrainConfig, model: ModelConfig, out: Path, ctx: StageContext, final: dict,
+def finish(cfg: PretrainConfig, objective: Objective, out: Path, ctx: StageContext, final: dict,
            seq_len: int, hf_note: str) -> StageResult:
     """metrics.json, loss curve, MLflow artifacts and the registry entry."""
     def last(key: str) -> float | None:
@@ -217,13 +230,13 @@ def finish(cfg: PretrainConfig, model: ModelConfig, out: Path, ctx: StageContext
     metrics = {"final_loss": last("loss"), **{k: last(k) for k in keys}, "initial_val_loss": first_val,
                "tokens_per_s": float(np.median(throughput)) if throughput else None}
     metrics = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(v)}
-    report = {**metrics, "objective": cfg.objective, "steps": cfg.max_steps, "seq_len": seq_len, "train_batch_size": cfg.train_batch_size,
-              "zero_stage": cfg.zero_stage, "num_workers": cfg.num_workers,
+    report = {**metrics, "objective": objective.name, "steps": cfg.max_steps, "seq_len": seq_len,
+              "train_batch_size": cfg.train_batch_size, "zero_stage": cfg.zero_stage, "num_workers": cfg.num_workers,
               "worker_nodes": final.get("worker_nodes", []), "hf_export": hf_note}
     (out / "metrics.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     plot_losses(ctx, out / "loss_curve.png")
     ctx.tracker.log_artifact(out / "loss_curve.png")
-    version = register(cfg, out, ctx)
+    version = register(cfg, objective, out, ctx)
     name = f"deberta-{ctx.preset}-pretrained"
     return StageResult(
         metrics=metrics,
@@ -236,58 +249,41 @@ def finish(cfg: PretrainConfig, model: ModelConfig, out: Path, ctx: StageContext
     )
 
 
-def register(cfg: PretrainConfig, out: Path, ctx: StageContext) -> str:
+def register(cfg: PretrainConfig, objective: Objective, out: Path, ctx: StageContext) -> str:
     """Our checkpoint as a run artifact; the registry version `deberta-<preset>-pretrained`, tagged with its
-    lineage and objective: an MLflow Model over hf/ (`core/hf_pyfunc.py`): MLM as fill-mask, the RTD
-    discriminator as feature extraction (its generator/ a run artifact)."""
-    from stages.pretrain import objectives as objectives
-
+    lineage and objective: an MLflow Model over hf/ (`core/hf_pyfunc.py`) of the objective's task."""
+    export = objective.export()
     ctx.tracker.log_artifacts(out / "model", "model")  # ours, EMD table (MLM) / RTD head included
+    for directory in export.extra_dirs:
+        ctx.tracker.log_artifacts(out / directory, directory)
     name = f"deberta-{ctx.preset}-pretrained"
     tags = {**{stage: ctx.lineage.get(stage, "") for stage in ("corpus", "vocab", "tokenize")},
-            "pretrain": ctx.artifact_id, **objectives.objective_tags(cfg)}
-    what = "DeBERTa MLM+EMD" if cfg.objective == "mlm" else f"DeBERTaV3 RTD discriminator ({cfg.embedding_sharing})"
-    description = f"{what}, {cfg.max_steps} steps, ZeRO-{cfg.zero_stage}"
-    if cfg.objective == "mlm":
-        uri = ctx.tracker.log_hf_model(out / "hf", task="fill-mask", name="pretrained", tags=tags,
-                                       input_example={"text": ["The president said on [MASK] that he would resign."]})
-        return ctx.tracker.register_model(name, model_uri=uri, tags=tags, description=description)
-    ctx.tracker.log_artifacts(out / "generator", "generator")
-    uri = ctx.tracker.log_hf_model(out / "hf", task="feature-extraction", name="pretrained", tags=tags,
-                                   input_example={"text": ["The president said on Monday that he would resign."]})
+            "pretrain": ctx.artifact_id, **export.tags}
+    description = f"{export.description}, {cfg.max_steps} steps, ZeRO-{cfg.zero_stage}"
+    uri = ctx.tracker.log_hf_model(out / "hf", task=export.task, name="pretrained", tags=tags,
+                                   input_example={"text": [export.example]})
     return ctx.tracker.register_model(name, model_uri=uri, tags=tags, description=description)
 
 
 # ----------------------------------------------------------------------------------------------- --dry-run
 
-def _largest_layer_params(cfg: PretrainConfig, model: "DebertaConfig") -> int:
+def _largest_layer_params(objective: Objective, model: "DebertaConfig") -> int:
     """Largest single module's own parameters (the word embedding for every preset), on the meta device."""
     import torch
 
-    from stages.pretrain import objectives as objectives
-
-    factory, _ = objectives.build_model(cfg, model)
+    factory, _ = objective.build_model(model)
     with torch.device("meta"):
         m = factory()
     return max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules())
 
 
-def dry_run(cfg: PretrainConfig, model: ModelConfig) -> str:
-    """The plan on paper: parameters, ZeRO-2/3 memory per GPU (DeepSpeed's estimators), tokens, time."""
+def _zero_estimates(total: int, largest: int, nodes: int, gpus_per_node: int) -> tuple[float, float, str]:
+    """DeepSpeed's model-state estimates per GPU (bytes) for ZeRO-2 and ZeRO-3 without offload, and its tables."""
     from deepspeed.runtime.zero.stage3 import (estimate_zero3_model_states_mem_needs,
                                                estimate_zero3_model_states_mem_needs_all_cold)
     from deepspeed.runtime.zero.stage_1_and_2 import (estimate_zero2_model_states_mem_needs,
                                                       estimate_zero2_model_states_mem_needs_all_cold)
 
-    from deberta.flops import PEAK_FLOPS
-    from stages.pretrain import objectives as objectives
-
-    model = model_config(model)
-    counts = objectives.parameter_counts(cfg, model)
-    total, backbone = counts["total"], counts["backbone"]
-    largest = _largest_layer_params(cfg, model)
-    nodes = max(1, math.ceil(cfg.num_workers / PLAN_GPUS_PER_NODE))
-    gpus_per_node = min(cfg.num_workers, PLAN_GPUS_PER_NODE)
     tables = io.StringIO()
     with contextlib.redirect_stdout(tables):
         estimate_zero2_model_states_mem_needs_all_cold(total, num_gpus_per_node=gpus_per_node, num_nodes=nodes)
@@ -295,29 +291,40 @@ def dry_run(cfg: PretrainConfig, model: ModelConfig) -> str:
     _, zero2 = estimate_zero2_model_states_mem_needs(total, gpus_per_node, nodes, cpu_offload=False)
     _, zero3, _ = estimate_zero3_model_states_mem_needs(total, largest, gpus_per_node, nodes, cpu_offload=False,
                                                         cpu_offload_params=False, zero_init=True)
+    return zero2, zero3, tables.getvalue()
+
+
+def dry_run(cfg: PretrainConfig, model: DebertaConfig) -> str:
+    """The plan on paper: parameters, ZeRO-2/3 memory per GPU (DeepSpeed's estimators), tokens, time."""
+    from deberta.flops import PEAK_FLOPS
+
+    check_config(cfg, model)
+    objective = objective_for(cfg)
+    counts = objective.parameter_counts(model)
+    largest = _largest_layer_params(objective, model)
+    nodes = max(1, math.ceil(cfg.num_workers / PLAN_GPUS_PER_NODE))
+    gpus_per_node = min(cfg.num_workers, PLAN_GPUS_PER_NODE)
+    zero2, zero3, tables = _zero_estimates(counts["total"], largest, nodes, gpus_per_node)
     seq_len = model.max_position_embeddings
     tokens = cfg.train_batch_size * seq_len
-    flops_tok = objectives.train_flops_per_token(cfg, model, seq_len)
+    flops_tok = objective.train_flops_per_token(model, seq_len)
     peak = PEAK_FLOPS[(PLAN_DEVICE, "bf16")]
     step_s = tokens * flops_tok / (cfg.num_workers * peak * PLAN_MFU)
-    accum = build_deepspeed_config(cfg, cfg.num_workers, cfg.use_gpu)["gradient_accumulation_steps"]
+    accum = build_deepspeed_config(cfg, cfg.num_workers, cfg.use_gpu).accumulation
     lines = [
         f"pretrain plan: {nodes} node(s) x {gpus_per_node} {PLAN_DEVICE} = {cfg.num_workers} workers, "
         f"ZeRO-{cfg.zero_stage}",
-        (f"  parameters: {total:,} (MLM with EMD position table; backbone {backbone:,}); largest layer {largest:,}"
-         if cfg.objective == "mlm" else
-         f"  parameters: {total:,} (RTD: generator {counts['generator']:,} of {model.num_hidden_layers // 2 if cfg.generator_layers is None else cfg.generator_layers} "
-         f"layers + discriminator; backbone {backbone:,}; embeddings {cfg.embedding_sharing}); largest layer {largest:,}"),
+        objective.plan_line(model, counts, largest),
         f"  batch: {cfg.train_batch_size} sequences x {seq_len} tokens (model.max_position_embeddings) = "
         f"{tokens:,} tokens/step; micro {cfg.micro_batch_size} x accumulation {accum} x {cfg.num_workers} workers",
         f"  compute: {flops_tok / 1e9:.3g} GFLOP/token for training (deberta.flops: 3 x forward incl. attention "
-        f"and EMD{', generator included' if cfg.objective == 'rtd' else ''}) = {tokens * flops_tok / 1e15:.3g} PFLOP/step",
+        f"and EMD{objective.flops_note}) = {tokens * flops_tok / 1e15:.3g} PFLOP/step",
         f"  at {PLAN_MFU:.0%} MFU of {peak / 1e12:.0f} TFLOP/s bf16 per {PLAN_DEVICE}: {step_s:.3g} s/step, "
         f"{cfg.max_steps:,} steps = {cfg.max_steps * step_s / 86400:.3g} days "
         f"({tokens * cfg.max_steps / 1e9:,.1f}B tokens)",
         f"  model states per GPU without offload: ZeRO-2 {zero2 / 2**30:.2f} GiB, ZeRO-3 {zero3 / 2**30:.2f} GiB "
         f"(ZeRO-3 builds the model inside zero.Init, partitioned module by module)",
         "  DeepSpeed's estimator tables (model states only: bf16 params/grads + fp32 master and Adam; no activations):",
-        *("    " + line for line in tables.getvalue().strip().splitlines()),
+        *("    " + line for line in tables.strip().splitlines()),
     ]
     return "\n".join(lines)

@@ -37,7 +37,7 @@ class Block:
     """First row of the block within its row group."""
     rows: int
     offset: int
-    """Index of the block's first sequence in the whole split (file order): sequence identity for tests."""
+    """Index of the block's first sequence in the whole split (file order): a sequence's identity."""
 
 
 def blocks(files: Sequence[str]) -> list[Block]:
@@ -82,16 +82,6 @@ def windows(split: Sequence[Block], seed: int, epoch: int, rank: int, world: int
             window = []
 
 
-def sequence_order(split: Sequence[Block], seed: int, epoch: int, rank: int, world: int, micro: int,
-                   buffer: int) -> np.ndarray:
-    """(batches_per_epoch * micro,) split-wide indices of the sequences this rank consumes in the epoch, in order
-    (what `rank_batches` reads, without reading it)."""
-    want = batches_per_epoch(split, seed, epoch, world, micro) * micro
-    parts = [np.concatenate([b.offset + np.arange(b.rows) for b in window])[order]
-             for window, order in windows(split, seed, epoch, rank, world, buffer)]
-    return np.concatenate(parts)[:want] if parts else np.empty(0, dtype=np.int64)
-
-
 def rank_batches(split: Sequence[Block], seed: int, epoch: int, rank: int, world: int, micro: int, buffer: int,
                  columns: Sequence[str]) -> Iterator[pa.Table]:
     """This rank's micro-batches of epoch `epoch` (exactly `batches_per_epoch` of them) with `columns`.
@@ -111,14 +101,3 @@ def rank_batches(split: Sequence[Block], seed: int, epoch: int, rank: int, world
             return
         carry = table
 
-
-def mixing_deviation(labels: np.ndarray, window_share: float = 0.05) -> float:
-    """Largest gap, in points, between a label's share in any window (sliding) of `window_share` of the sequence
-    and its share overall: near 0 for a well mixed order, 100 - share for one sorted by label."""
-    size = max(1, int(len(labels) * window_share))
-    worst = 0.0
-    for value in np.unique(labels):
-        counts = np.concatenate([[0], np.cumsum(labels == value)])  # (N + 1,)
-        in_window = (counts[size:] - counts[:-size]) / size  # (N - size + 1,) share in each window
-        worst = max(worst, float(np.abs(in_window - counts[-1] / len(labels)).max()) * 100)
-    return worst

@@ -11,7 +11,8 @@ worker re-opens epoch `epoch` and skips `batch_in_epoch` micro-batches (read and
 the cost is I/O proportional to the position within the epoch) - the next step sees exactly the batches it
 would have seen without the interruption. Span masks are a pure function of (seed, step, micro-batch,
 rank) and the dropout RNG is reseeded from (seed, step, rank) every step, so a resumed run repeats the
-uninterrupted one step for step.
+uninterrupted one step for step. The step and the validation pass themselves (`train_step`,
+`validation_sums`) run without Ray.
 
 Side effects (prints, MLflow) happen on world rank 0 only, through `RankZero`.
 """
@@ -25,23 +26,96 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from deberta.config import DebertaConfig
-from deberta.masking import SpanMasker
+from training.deepspeed_config import DeepSpeedConfig
 from training.engine import Engine, OptimSpec, build
 from core.config import PretrainConfig
 import stages.pretrain.data as data
-import stages.pretrain.objectives as objectives
+from deberta.masking import SpanMasker
+from stages.pretrain.objective import Objective, Sums
 from stages.segment_pairs import SOP_COLUMN
 
 STATE_FILE = "train_state.json"
 """Written by rank 0 next to DeepSpeed's files in every checkpoint: tag, step and data position."""
+
+
+# ----------------------------------------------------------------------------- the step and the validation pass
+# Plain functions of (engine, objective, masker, batches): no Ray, no process group. The benchmarks call them on a
+# plain torch engine, so what they measure is what the stage trains.
+
 EVAL_MASK_OFFSET = 1 << 40
 """Validation masks use mask steps from here on: fixed across evaluations, disjoint from training masks."""
+
+
+def dropout_seed(seed: int, step: int, rank: int) -> int:
+    """Seed of the torch RNG for optimizer step `step` on `rank`: dropout and RTD's draws repeat on resume."""
+    return (seed * 1_000_003 + step) * 1_009 + rank
+
+
+def to_batch(columns: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """numpy columns -> {"input_ids": (B, T) int64 (uint32 on disk), and "sop_labels": (B,) with SOP}."""
+    ids = columns["input_ids"]
+    if ids.dtype == object:  # list columns may arrive as an array of arrays
+        ids = np.stack(ids)
+    batch = {"input_ids": torch.from_numpy(ids.astype(np.int64))}  # (B, T)
+    if SOP_COLUMN in columns:
+        batch["sop_labels"] = torch.from_numpy(np.asarray(columns[SOP_COLUMN]).astype(np.int64))  # (B,)
+    return batch
+
+
+def forward(engine, masker: SpanMasker, batch: dict[str, torch.Tensor], mask_step: int,
+            **extra) -> dict[str, torch.Tensor]:
+    """Mask the batch (a pure function of `mask_step`) and run the engine on it."""
+    ids = batch["input_ids"]
+    masked, labels = masker(ids, step=mask_step)  # (B, T) each
+    if "sop_labels" in batch:
+        extra["sop_labels"] = batch["sop_labels"].to(engine.device)
+    return engine(input_ids=masked.to(engine.device), attention_mask=(ids != 0).to(engine.device),
+                  labels=labels.to(engine.device), **extra)
+
+
+def train_step(engine, objective: Objective, masker: SpanMasker, batches: Sequence[dict[str, torch.Tensor]],
+               step: int, rank: int = 0, world: int = 1) -> dict[str, float]:
+    """Optimizer step `step` (0-based) over this rank's accumulation micro-batches. Returns this rank's means of
+    `loss` and the objective's step metrics, and the learning rate the step used."""
+    keys = ("loss", *objective.step_metrics)
+    sums = dict.fromkeys(keys, 0.0)
+    lr = engine.lr  # before the step: the rate this step trains with
+    torch.manual_seed(dropout_seed(objective.cfg.seed, step, rank))
+    for micro, batch in enumerate(batches):
+        outputs = forward(engine, masker, batch, mask_step=(step * len(batches) + micro) * world + rank)
+        engine.backward(outputs["loss"])
+        engine.step()  # DeepSpeed steps the optimizer and scheduler at the accumulation boundary only
+        for k in keys:
+            sums[k] += float(outputs[k].detach())
+    return {**{k: v / len(batches) for k, v in sums.items()}, "lr": lr}
+
+
+def validation_sums(engine, objective: Objective, masker: SpanMasker, batches: Sequence[dict[str, torch.Tensor]],
+                    rank: int = 0, world: int = 1,
+                    each: Callable[[int, dict[str, torch.Tensor]], None] | None = None) -> Sums:
+    """The objective's validation totals over this rank's batches (fixed masks and generator draws: batch i of
+    rank r uses mask step EVAL_MASK_OFFSET + i * world + r). `each(i, outputs)` sees every batch's outputs."""
+    engine.eval()
+    sums: Sums = {}
+    with torch.no_grad():
+        for i, batch in enumerate(batches):
+            mask_step = EVAL_MASK_OFFSET + i * world + rank
+            outputs = forward(engine, masker, batch, mask_step, **objective.eval_inputs(mask_step))
+            for k, v in objective.eval_sums(outputs).items():
+                sums[k] = sums.get(k, 0.0) + v
+            if each is not None:
+                each(i, outputs)
+    engine.train()
+    return sums
+
+
+# -------------------------------------------------------------------------------------------- the worker loop
 
 
 @dataclass(frozen=True)
@@ -49,8 +123,10 @@ class LoopJob:
     """Everything the workers need, resolved on the driver (picklable)."""
 
     cfg: PretrainConfig
+    objective: Objective
+    """`stages.pretrain.objective_for(cfg)`."""
     model: DebertaConfig
-    ds_config: dict[str, Any]
+    ds_config: DeepSpeedConfig
     seq_len: int
     train_files: tuple[str, ...]
     """Train shards (paths every node can read: the workdir is shared, as for every Ray stage's output)."""
@@ -69,6 +145,9 @@ class LoopJob:
     def word_start_mask(self) -> torch.Tensor:
         bits = np.unpackbits(np.frombuffer(self.word_start, dtype=np.uint8))[: self.tokenizer_len]
         return torch.from_numpy(bits.astype(bool))
+
+    def masker(self):
+        return self.objective.masker(self.tokenizer_len, self.mask_id, self.special_ids, self.word_start_mask())
 
 
 @dataclass
@@ -110,55 +189,25 @@ def optim_spec(cfg: PretrainConfig) -> OptimSpec:
                      grad_clip=cfg.grad_clip)
 
 
-def make_engine(cfg: PretrainConfig, model_cfg: DebertaConfig, ds_config: dict[str, Any], backend: str) -> Engine:
-    """The objective's model (`stages.pretrain.objectives`) inside the DeepSpeed engine of `training.engine`.
-    Seeded: identical initial weights on every rank."""
-    factory, init_module = objectives.build_model(cfg, model_cfg)
-    return build(factory, optim_spec(cfg), ds_config=ds_config, backend=backend, seed=cfg.seed,
-                 init_module=init_module)
-
-
 def build_engine(job: LoopJob, use_gpu: bool) -> Engine:
-    """`make_engine` on the GPU (NCCL) or CPU (gloo) Ray Train gave this worker."""
+    """The objective's model inside the DeepSpeed engine of `training.engine`, on the GPU (NCCL) or CPU (gloo) Ray
+    Train gave this worker. Seeded: identical initial weights on every rank."""
     if use_gpu:
         import ray.train.torch
 
         torch.cuda.set_device(ray.train.torch.get_device())  # the GPU Ray assigned to this worker
-    return make_engine(job.cfg, job.model, job.ds_config, "nccl" if use_gpu else "gloo")
-
-
-def shard_columns(cfg: PretrainConfig) -> list[str]:
-    return ["input_ids", SOP_COLUMN] if cfg.sop else ["input_ids"]
+    factory, init_module = job.objective.build_model(job.model)
+    return build(factory, optim_spec(job.cfg), ds_config=job.ds_config, backend="nccl" if use_gpu else "gloo",
+                 seed=job.cfg.seed, init_module=init_module)
 
 
 def numpy_columns(table) -> dict[str, np.ndarray]:
     """A pyarrow micro-batch -> {"input_ids": (B, T) uint32, and sop_label (B,) when read}, without copies."""
     ids = table.column("input_ids").combine_chunks()
-    out = {"input_ids": np.asarray(ids.flatten()).reshape(len(table), -1)}  # (B, T)
+    columns = {"input_ids": np.asarray(ids.flatten()).reshape(len(table), -1)}  # (B, T)
     if SOP_COLUMN in table.column_names:
-        out[SOP_COLUMN] = table.column(SOP_COLUMN).to_numpy()
-    return out
-
-
-def to_batch(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    """numpy batch -> {"input_ids": (B, T) int64 (uint32 on disk), and "sop_labels": (B,) with SOP}."""
-    ids = batch["input_ids"]
-    if ids.dtype == object:  # list columns may arrive as an array of arrays
-        ids = np.stack(ids)
-    out = {"input_ids": torch.from_numpy(ids.astype(np.int64))}  # (B, T)
-    if SOP_COLUMN in batch:
-        out["sop_labels"] = torch.from_numpy(np.asarray(batch[SOP_COLUMN]).astype(np.int64))  # (B,)
-    return out
-
-
-def forward(engine, masker: SpanMasker, batch: dict[str, torch.Tensor], step: int, **extra) -> dict[str, torch.Tensor]:
-    """Mask the batch (a pure function of `step`) and run the engine on it."""
-    ids = batch["input_ids"]
-    masked, labels = masker(ids, step=step)  # (B, T) each
-    if "sop_labels" in batch:
-        extra["sop_labels"] = batch["sop_labels"].to(engine.device)
-    return engine(input_ids=masked.to(engine.device), attention_mask=(ids != 0).to(engine.device),
-                  labels=labels.to(engine.device), **extra)
+        columns[SOP_COLUMN] = table.column(SOP_COLUMN).to_numpy()
+    return columns
 
 
 def micro_batches(job: LoopJob, rank: int, world: int, state: TrainState) -> Iterator[tuple[int, int, dict]]:
@@ -172,7 +221,7 @@ def micro_batches(job: LoopJob, rank: int, world: int, state: TrainState) -> Ite
     while True:
         n = 0
         for n, table in enumerate(data.rank_batches(split, cfg.seed, epoch, rank, world, cfg.micro_batch_size,
-                                                    cfg.shuffle_buffer, shard_columns(cfg)), start=1):
+                                                    cfg.shuffle_buffer, job.objective.shard_columns), start=1):
             if n > skip:
                 yield epoch, n - 1, to_batch(numpy_columns(table))
         if n == 0:
@@ -181,12 +230,13 @@ def micro_batches(job: LoopJob, rank: int, world: int, state: TrainState) -> Ite
         epoch, skip = epoch + 1, 0
 
 
-def all_reduce_sum(values: list[float], device) -> list[float]:
+def all_reduce_sum(values: dict[str, float], device) -> dict[str, float]:
+    """`values` summed over all workers (every rank holds the same keys in the same order)."""
     import torch.distributed as dist
 
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
     dist.all_reduce(t)
-    return t.tolist()
+    return dict(zip(values, t.tolist()))
 
 
 def validation_batches(job: LoopJob, rank: int, world: int) -> list[dict[str, torch.Tensor]]:
@@ -205,7 +255,7 @@ def validation_batches(job: LoopJob, rank: int, world: int) -> list[dict[str, to
     total = dataset.count_rows()
     want = min(total, job.cfg.eval_batches * micro * world)
     picked = np.sort(np.random.default_rng(job.cfg.seed).choice(total, size=want, replace=False))
-    table = dataset.take(pa.array(picked, type=pa.int64()), columns=shard_columns(job.cfg))
+    table = dataset.take(pa.array(picked, type=pa.int64()), columns=list(job.objective.shard_columns))
     per_rank = len(table) // world // micro * micro
     if per_rank == 0:
         raise RuntimeError(f"the validation split has {len(table)} sequences, fewer than micro_batch_size x workers "
@@ -214,27 +264,18 @@ def validation_batches(job: LoopJob, rank: int, world: int) -> list[dict[str, to
     rows = mine.column("input_ids").combine_chunks()
     ids = torch.from_numpy(np.asarray(rows.flatten()).astype(np.int64)).view(per_rank, job.seq_len)  # (N, T)
     batches = [{"input_ids": chunk} for chunk in ids.split(micro)]
-    if job.cfg.sop:
+    if SOP_COLUMN in table.column_names:
         sop = torch.from_numpy(mine.column(SOP_COLUMN).to_numpy().astype(np.int64))  # (N,)
         for batch, labels in zip(batches, sop.split(micro)):
             batch["sop_labels"] = labels
     return batches
 
 
-def evaluate(engine, batches: list[dict[str, torch.Tensor]], masker: SpanMasker, cfg: PretrainConfig, rank: int,
+def evaluate(engine, job: LoopJob, masker, batches: list[dict[str, torch.Tensor]], rank: int,
              world: int) -> dict[str, float]:
-    """Validation numbers of the objective on this worker's batches, summed over all workers. Masks (and RTD's
-    generator draws) are fixed across evaluations."""
-    engine.eval()
-    sums: list[float] = []
-    with torch.no_grad():
-        for i, batch in enumerate(batches):
-            step = EVAL_MASK_OFFSET + i * world + rank
-            extra = {"generator": step} if cfg.objective == "rtd" else {}
-            these = objectives.eval_sums(cfg, forward(engine, masker, batch, step, **extra))
-            sums = [a + b for a, b in zip(sums, these)] if sums else these
-    engine.train()
-    return objectives.eval_metrics(cfg, all_reduce_sum(sums, engine.device))
+    """Validation numbers of the objective on every worker's batches (`step.validation_sums`, summed over workers)."""
+    sums: Sums = validation_sums(engine, job.objective, masker, batches, rank, world)
+    return job.objective.eval_metrics(all_reduce_sum(sums, engine.device))
 
 
 def save_and_report(engine, state: TrainState, metrics: dict[str, float], rank: int) -> None:
@@ -252,7 +293,7 @@ def save_and_report(engine, state: TrainState, metrics: dict[str, float], rank: 
         shutil.rmtree(root, ignore_errors=True)
 
 
-def restore(engine, out: RankZero) -> TrainState:
+def restore(engine, rank0: RankZero) -> TrainState:
     """Latest reported checkpoint (after a worker failure, or a restart of the stage) -> engine + position."""
     import ray.train
 
@@ -264,9 +305,9 @@ def restore(engine, out: RankZero) -> TrainState:
         path, _ = engine.ds.load_checkpoint(d, tag=state.tag, load_optimizer_states=True, load_lr_scheduler_states=True)
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load checkpoint {state.tag} from {d}")
-    out.print(f"restored {state.tag} from {ckpt.path}: resuming at step {state.step + 1}, "
+    rank0.print(f"restored {state.tag} from {ckpt.path}: resuming at step {state.step + 1}, "
               f"epoch {state.epoch}, micro-batch {state.batch_in_epoch}")
-    out.log({"restored_from_step": state.step}, step=state.step)
+    rank0.log({"restored_from_step": state.step}, step=state.step)
     return state
 
 
@@ -316,71 +357,65 @@ class Throughput:
         }
 
 
-def train_step(engine, batches, masker: SpanMasker, state: TrainState, accum: int, rank: int, world: int,
-               cfg: PretrainConfig) -> dict[str, float]:
-    """One optimizer step (accum micro-batches); advances the data position. Returns this rank's means of the
-    loss and the objective's step metrics, and the learning rate the step used."""
-    keys = ("loss", *objectives.step_metrics(cfg))
-    sums = dict.fromkeys(keys, 0.0)
-    lr = engine.lr  # before the step: the rate this step trains with
-    # dropout (and RTD's draws) use the global torch RNG: reseeding per (step, rank) makes a resumed step identical
-    torch.manual_seed((masker.seed * 1_000_003 + state.step) * 1_009 + rank)
-    for micro in range(accum):
+def next_step_batches(batches: Iterator[tuple[int, int, dict]], state: TrainState, accum: int) -> list[dict]:
+    """This rank's `accum` micro-batches of the next step; advances the data position."""
+    step_batches = []
+    for _ in range(accum):
         state.epoch, index, batch = next(batches)
         state.batch_in_epoch = index + 1
-        out = forward(engine, masker, batch, step=(state.step * accum + micro) * world + rank)
-        engine.backward(out["loss"])
-        engine.step()  # DeepSpeed steps the optimizer and scheduler at the accumulation boundary only
-        for k, v in objectives.step_values(out, keys).items():
-            sums[k] += v
-    state.step += 1
-    return {**{k: v / accum for k, v in sums.items()}, "lr": lr}
+        step_batches.append(batch)
+    return step_batches
+
+
+def log_step(job: LoopJob, rank0: RankZero, engine, means: dict[str, float], state: TrainState, world: int,
+             timer: Throughput) -> None:
+    """The step's metrics averaged over workers: a progress line and MLflow points."""
+    lr = means.pop("lr")
+    means = job.objective.finish_step_metrics(
+        {k: v / world for k, v in all_reduce_sum(means, engine.device).items()})
+    metrics = {**means, "lr": lr, "grad_norm": engine.grad_norm, "epoch": state.epoch, **timer.read(state.step)}
+    parts = "".join(f" {k} {means[k]:.4f}" for k in ("mlm_loss", "rtd_loss", "rtd_accuracy", "sop_accuracy")
+                    if k in means)
+    rank0.print(f"step {state.step}/{job.cfg.max_steps} loss {metrics['loss']:.4f}{parts} lr {lr:.3e} "
+                f"tokens/s {metrics['tokens_per_s']:,.0f} ETA {metrics['eta_s'] / 60:.1f} min")
+    rank0.log({k: None if v is None else float(v) for k, v in metrics.items()}, step=state.step)
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
 
     job: LoopJob = config["job"]
-    cfg = job.cfg
+    cfg, objective = job.cfg, job.objective
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    out = RankZero(rank, job.tracker)
+    rank0 = RankZero(rank, job.tracker)
     engine = build_engine(job, cfg.use_gpu)
     accum = engine.accumulation
-    masker = objectives.make_masker(cfg, job.tokenizer_len, job.mask_id, job.special_ids, job.word_start_mask())
+    masker = job.masker()
     nodes = worker_nodes(world)
-    out.print(f"{cfg.objective} objective, {world} workers on {len(set(nodes))} node(s), ZeRO-{cfg.zero_stage}, "
-              f"{'bf16 GPU' if cfg.use_gpu else 'fp32 CPU'}, accumulation {accum}; config "
-              + json.dumps({"pretrain": asdict(cfg), "deepspeed": job.ds_config}, sort_keys=True))
-    state = restore(engine, out)
+    rank0.print(f"{objective.name} objective, {world} workers on {len(set(nodes))} node(s), ZeRO-{cfg.zero_stage}, "
+                f"{'bf16 GPU' if cfg.use_gpu else 'fp32 CPU'}, accumulation {accum}; config "
+                + json.dumps({"pretrain": asdict(cfg), "deepspeed": job.ds_config.to_dict()}, sort_keys=True))
+    state = restore(engine, rank0)
     val_batches = validation_batches(job, rank, world)
     if state.step == 0:
-        out.log(evaluate(engine, val_batches, masker, cfg, rank, world), step=0)
+        rank0.log(evaluate(engine, job, masker, val_batches, rank, world), step=0)
     batches = micro_batches(job, rank, world, state)
     timer, last_eval, first_step = Throughput(job, world, state.step), {}, state.step
     while state.step < cfg.max_steps:
-        step = train_step(engine, batches, masker, state, accum, rank, world, cfg)
+        means = train_step(engine, objective, masker, next_step_batches(batches, state, accum), state.step, rank,
+                           world)
+        state.step += 1
         timer.step()
         done = state.step == cfg.max_steps
         if state.step % cfg.log_interval == 0 or done:
-            lr = step.pop("lr")
-            means = objectives.finish_metrics(
-                dict(zip(step, (v / world for v in all_reduce_sum(list(step.values()), engine.device)))))
-            metrics = {**means, "lr": lr, "grad_norm": engine.grad_norm, "epoch": state.epoch,
-                       **timer.read(state.step)}
-            parts = "".join(f" {k} {means[k]:.4f}" for k in ("mlm_loss", "rtd_loss", "rtd_accuracy", "sop_accuracy")
-                            if k in means)
-            out.print(f"step {state.step}/{cfg.max_steps} loss {metrics['loss']:.4f}{parts} lr {lr:.3e} "
-                      f"tokens/s {metrics['tokens_per_s']:,.0f} ETA {metrics['eta_s'] / 60:.1f} min")
-            out.log({k: None if v is None else float(v) for k, v in metrics.items()}, step=state.step)
+            log_step(job, rank0, engine, means, state, world, timer)
         if state.step % cfg.eval_interval == 0 or done:
-            last_eval = evaluate(engine, val_batches, masker, cfg, rank, world)
-            extra = (f" RTD accuracy {last_eval['val_rtd_accuracy']:.3f} (all-original "
-                     f"{last_eval['val_all_original_accuracy']:.3f})" if cfg.objective == "rtd" else "")
-            extra += f" SOP accuracy {last_eval['val_sop_accuracy']:.3f}" if cfg.sop else ""
-            out.print(f"step {state.step} validation loss {last_eval['val_loss']:.4f} "
-                      f"accuracy {last_eval['val_accuracy']:.3f} perplexity {last_eval['val_perplexity']:.1f}{extra}")
-            out.log(last_eval, step=state.step)
+            last_eval = evaluate(engine, job, masker, val_batches, rank, world)
+            rank0.print(f"step {state.step} validation loss {last_eval['val_loss']:.4f} accuracy "
+                        f"{last_eval['val_accuracy']:.3f} perplexity {last_eval['val_perplexity']:.1f}"
+                        + objective.eval_line(last_eval))
+            rank0.log(last_eval, step=state.step)
         if state.step % cfg.ckpt_interval == 0 or done:
             final = {"worker_nodes": nodes} if done else {}
             save_and_report(engine, state, {"step": state.step, **last_eval, **final}, rank)

@@ -489,7 +489,7 @@ def test_rtd_two_nodes_resumes_after_worker_loss(ray_cluster_2_nodes, tokens, mo
 
 
 def test_albert_options_train_and_fine_tune(ray_cluster_2_nodes, tokens, model_cfg, workdir, lineage, tmp_path):
-    """ALBERT-style DeBERTa (seed 004) on 2 nodes: the issue's E = 128 embeddings on the debug preset (projected
+    """ALBERT-style DeBERTa (ALBERT §3.1) on 2 nodes: ALBERT's E = 128 embeddings on the debug preset (projected
     to H = 64), every layer shared, sentence-order prediction on segment-pair shards. Losses fall, SOP is trained
     and measured every step and on validation, the HF export is the unshared copy, and the fine-tuning stage starts
     from the artifact. SOP accuracy is not asserted above chance: 120 steps are far too few (bench.albert: the

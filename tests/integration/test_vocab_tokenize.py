@@ -197,7 +197,8 @@ def test_two_sources_in_sorted_order_are_mixed_in_every_window(store, workdir, m
     (2 workers, its epoch order) with each source's share within 5 points of its overall share in every window
     of 5% of the sequences; without the tokenize shuffle the same corpus is sorted by source. Epoch 2 differs."""
     from stages.finetune.tasks import rotten_tomatoes
-    from stages.pretrain.data import batches_per_epoch, blocks, mixing_deviation, sequence_order
+    from stages.pretrain.data import batches_per_epoch, blocks
+    from tests.data_order import mixing_deviation, sequence_order
 
     news = [json.loads(line)["text"] for line in open(news_jsonl)][:1200]
     reviews = rotten_tomatoes().train.text_a[:6000]

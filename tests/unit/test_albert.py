@@ -1,4 +1,4 @@
-"""ALBERT's options on the DeBERTa model library (seed 004): factorised embeddings (`embedding_size`), cross-layer
+"""ALBERT's options on the DeBERTa model library (ALBERT §3.1): factorised embeddings (`embedding_size`), cross-layer
 sharing (`share_layers`) and the sentence-order head (`sop`): closed-form parameter counts, HF DebertaV2 parity with
 embedding_size != hidden_size, one module object per shared block (gradients summed over uses), SOP loss/accuracy
 and a tiny model that learns sentence order."""
@@ -406,20 +406,21 @@ def test_logged_sop_accuracy_weighs_micro_batches_by_their_pairs():
     """The loop averages each step metric over micro-batches and workers; SOP accuracy is taken from the averaged
     counts, so a micro-batch whose rows hold no sentence pair (all sop_label -100) does not count as 0% correct."""
     from core.config import PretrainConfig
-    from stages.pretrain import objectives as objectives
+    from stages.pretrain import objective_for
 
     cfg = debug()
     torch.manual_seed(0)
     model = DebertaForMaskedLM(cfg, sop=True).eval()
     ids, mask, labels = _batch(cfg)
-    keys = ("loss", *objectives.step_metrics(PretrainConfig(sop=True)))
+    objective = objective_for(PretrainConfig(sop=True))
+    keys = ("loss", *objective.step_metrics)
     with torch.no_grad():
         outs = [model(ids, mask, labels, torch.tensor(sop)) for sop in ([1, 0, 1], [-100, -100, -100])]
-    rows = [objectives.step_values(out, keys) for out in outs]
-    means = objectives.finish_metrics({k: sum(r[k] for r in rows) / 2 for k in keys})
+    rows = [{k: float(out[k]) for k in keys} for out in outs]
+    means = objective.finish_step_metrics({k: sum(r[k] for r in rows) / 2 for k in keys})
     assert means["sop_accuracy"] == pytest.approx(int(outs[0]["sop_correct"]) / 3)
     assert "sop_count" not in means and "sop_correct" not in means
-    no_pairs = objectives.finish_metrics({"loss": 1.0, "sop_correct": 0.0, "sop_count": 0.0})
+    no_pairs = objective.finish_step_metrics({"loss": 1.0, "sop_correct": 0.0, "sop_count": 0.0})
     assert math.isnan(no_pairs["sop_accuracy"])  # no pairs in the whole step: no accuracy, not 0
 
 
@@ -477,14 +478,14 @@ def test_tiny_albert_learns_sentence_order(flush_denormals):
 
 
 def test_pipeline_path_memorises_the_order_of_a_few_pairs(flush_denormals):
-    """The pretraining loop's own path (objectives.build_model and make_masker, training.engine's AdamW with clipping
-    and decay, loop.to_batch/forward) on 16 rows whose labels are random: only a gradient that reaches
+    """The pretraining loop's own path (the objective's model and masker, training.engine's AdamW with clipping
+    and decay, loop.to_batch and loop.train_step) on 16 rows whose labels are random: only a gradient that reaches
     the SOP head through [CLS] can fit them, and it does - 100% SOP accuracy under fresh masks (E = 128 > H = 64,
     every layer shared: the e2e test's model)."""
     from training.engine import build
     from core.config import PretrainConfig
-    from stages.pretrain import objectives as objectives
-    from stages.pretrain.loop import forward, optim_spec, to_batch
+    from stages.pretrain import objective_for
+    from stages.pretrain.loop import forward, optim_spec, to_batch, train_step
 
     cfg = PretrainConfig(num_workers=1, micro_batch_size=16, train_batch_size=16, lr=2e-3, warmup_steps=5,
                          max_steps=80, sop=True)
@@ -494,13 +495,12 @@ def test_pipeline_path_memorises_the_order_of_a_few_pairs(flush_denormals):
     ids[:, 0], ids[:, 15], ids[:, -1] = CLS, SEP, SEP  # [CLS] A [SEP] B [SEP]
     batch = to_batch({"input_ids": ids.numpy().astype("uint32"),
                       "sop_label": torch.randint(0, 2, (16,), generator=g).numpy().astype("int8")})
-    factory, _ = objectives.build_model(cfg, model)
+    objective = objective_for(cfg)
+    factory, _ = objective.build_model(model)
     engine = build(factory, optim_spec(cfg), seed=0)
-    masker = objectives.make_masker(cfg, 200, 199, (0, CLS, SEP, 3), None)
+    masker = objective.masker(200, 199, (0, CLS, SEP, 3), None)
     for step in range(cfg.max_steps):
-        out = forward(engine, masker, batch, step)
-        engine.backward(out["loss"])
-        engine.step()
+        train_step(engine, objective, masker, [batch], step)
     engine.eval()
     with torch.no_grad():
         out = forward(engine, masker, batch, 10_000)  # masks never seen in training
@@ -603,20 +603,20 @@ def zero3_run(share: str, out: str) -> None:
     module on gathered parameters); saves the initial and trained weights (gathered) and the losses."""
     import deepspeed
 
+    from training.deepspeed_config import DeepSpeedConfig
     from training.engine import construct, init_distributed
 
     init_distributed("gloo")
     cfg = ZERO3_CFG[share]
-    ds_config = {"train_batch_size": 3 * int(os.environ["WORLD_SIZE"]), "train_micro_batch_size_per_gpu": 3,
-                 "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
-                 # threshold 0: even these tiny tensors are partitioned and gathered per module
-                 "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                       "stage3_gather_16bit_weights_on_model_save": True}}
+    ds_config = DeepSpeedConfig(train_batch=3 * int(os.environ["WORLD_SIZE"]), micro=3, accumulation=1, grad_clip=1.0,
+                                zero_stage=3, use_gpu=False,
+                                # threshold 0: even these tiny tensors are partitioned and gathered per module
+                                zero_options={"stage3_param_persistence_threshold": 0})
     torch.manual_seed(0)
     model = construct(lambda: DebertaForMaskedLM(cfg, sop=True), ds_config,
                       init_module=lambda module: init_weights(module, cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config.to_dict())
     assert all(p.numel() == 0 and p.ds_numel > 0 for p in model.parameters())  # all partitioned
     engine.save_16bit_model(out, "init.pt")
     losses = _zero3_train(model, opt, engine)

@@ -1,4 +1,4 @@
-"""bench/objectives.py's measurements: seed 001's Table 1 cosine, the equal-compute plan, the tables of each sharing."""
+"""bench/objectives.py's measurements: DeBERTaV3's Table 1 cosine, the equal-compute plan, the tables of each sharing."""
 
 from __future__ import annotations
 

@@ -21,21 +21,32 @@ CFG = PretrainConfig(num_workers=2, micro_batch_size=8, train_batch_size=32, lr=
 
 
 def test_batch_arithmetic_precision_and_no_scheduler_section():
-    ds = build_deepspeed_config(CFG, world_size=2, use_gpu=False)
+    ds = build_deepspeed_config(CFG, world_size=2, use_gpu=False).to_dict()
     assert ds["train_batch_size"] == 32 and ds["train_micro_batch_size_per_gpu"] == 8
     assert ds["gradient_accumulation_steps"] == 2
     assert ds["gradient_clipping"] == 1.0 and ds["zero_optimization"]["stage"] == 2
     assert ds["bf16"]["enabled"] is False
     assert "optimizer" not in ds and "scheduler" not in ds  # client AdamW and schedule (training.engine)
-    gpu = build_deepspeed_config(dataclasses.replace(CFG, zero_stage=3), world_size=2, use_gpu=True)
+    gpu = build_deepspeed_config(dataclasses.replace(CFG, zero_stage=3), world_size=2, use_gpu=True).to_dict()
     assert gpu["bf16"]["enabled"] is True and gpu["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
 
 
 def test_paper_preset_is_2048_sequences_exactly():
     p = deberta_1_5b().pretrain
-    ds = build_deepspeed_config(p, p.num_workers, use_gpu=True)
+    ds = build_deepspeed_config(p, p.num_workers, use_gpu=True).to_dict()
     per_step = ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 128
     assert ds["train_batch_size"] == 2048 == per_step and ds["zero_optimization"]["stage"] == 3
+
+
+def test_zero_stages_differ_in_one_place():
+    """What each ZeRO stage changes: its JSON section, whether the model is built partitioned (zero.Init), whether
+    the checkpoint is sharded; the typed config answers, the JSON is only written."""
+    stages = {z: build_deepspeed_config(dataclasses.replace(CFG, zero_stage=z), 2, use_gpu=True) for z in range(4)}
+    assert [ds.partitions_parameters for ds in stages.values()] == [False, False, False, True]
+    assert [ds.sharded_checkpoint for ds in stages.values()] == [False, True, True, True]
+    assert [ds.to_dict()["zero_optimization"].get("overlap_comm") for ds in stages.values()] == [None, None, True, True]
+    lean = dataclasses.replace(stages[3], zero_options={"stage3_param_persistence_threshold": 0})
+    assert lean.to_dict()["zero_optimization"]["stage3_param_persistence_threshold"] == 0
 
 
 def reference_lr(s: int, peak: float, warmup: int, total: int) -> float:
@@ -151,7 +162,7 @@ def test_checkpoint_mismatch_is_one_clear_error(tmp_path):
 def test_finetune_config_splits_the_batch_and_keeps_the_client_schedule():
     from training.deepspeed_config import build_finetune_config
 
-    ds = build_finetune_config(grad_clip=0.5, zero_stage=3, use_gpu=False, batch_size=48, world_size=8)
+    ds = build_finetune_config(grad_clip=0.5, zero_stage=3, use_gpu=False, batch_size=48, world_size=8).to_dict()
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (48, 6, 1)
     assert ds["gradient_clipping"] == 0.5 and "scheduler" not in ds and "optimizer" not in ds
     assert ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True

@@ -7,8 +7,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stages.pretrain import data as data
+import stages.pretrain.data as data
 from stages.pretrain.loop import numpy_columns
+from tests.data_order import mixing_deviation, sequence_order
 
 MICRO, BUFFER, WORLD = 8, 300, 2
 
@@ -33,7 +34,7 @@ def test_blocks_cover_every_sequence_once(split):
 
 
 def test_ranks_read_what_the_order_says_disjoint_and_equal(split):
-    orders = [data.sequence_order(split, 7, 0, r, WORLD, MICRO, BUFFER) for r in range(WORLD)]
+    orders = [sequence_order(split, 7, 0, r, WORLD, MICRO, BUFFER) for r in range(WORLD)]
     want = data.batches_per_epoch(split, 7, 0, WORLD, MICRO)
     assert want > 0 and all(len(o) == want * MICRO for o in orders)
     assert len(np.intersect1d(*orders)) == 0  # no sequence twice in an epoch
@@ -45,9 +46,9 @@ def test_ranks_read_what_the_order_says_disjoint_and_equal(split):
 
 
 def test_epochs_differ_and_the_order_is_a_pure_function(split):
-    first = data.sequence_order(split, 7, 0, 0, WORLD, MICRO, BUFFER)
-    again = data.sequence_order(split, 7, 0, 0, WORLD, MICRO, BUFFER)
-    second = data.sequence_order(split, 7, 1, 0, WORLD, MICRO, BUFFER)
+    first = sequence_order(split, 7, 0, 0, WORLD, MICRO, BUFFER)
+    again = sequence_order(split, 7, 0, 0, WORLD, MICRO, BUFFER)
+    second = sequence_order(split, 7, 1, 0, WORLD, MICRO, BUFFER)
     assert first.tolist() == again.tolist()
     assert (first[:len(second)] != second[:len(first)]).mean() > 0.9
     # Within a window, the local shuffle mixes blocks: the first micro-batch spans several blocks.
@@ -56,6 +57,6 @@ def test_epochs_differ_and_the_order_is_a_pure_function(split):
 
 def test_mixing_deviation_tells_sorted_from_shuffled():
     labels = np.r_[np.zeros(3000, int), np.ones(1000, int)]  # sorted by source: 75% / 25%
-    assert data.mixing_deviation(labels) == pytest.approx(75.0)
+    assert mixing_deviation(labels) == pytest.approx(75.0)
     shuffled = np.random.default_rng(0).permutation(labels)
-    assert data.mixing_deviation(shuffled) < 10
+    assert mixing_deviation(shuffled) < 10

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -306,20 +307,20 @@ def zero3_run(sharing: str, out: str) -> None:
     trained weights (gathered) and the losses."""
     import deepspeed
 
+    from training.deepspeed_config import DeepSpeedConfig
     from training.engine import construct, init_distributed
 
     init_distributed("gloo")
-    ds_config = {"train_batch_size": 8 * int(os.environ["WORLD_SIZE"]), "train_micro_batch_size_per_gpu": 8,
-                 "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
-                 # threshold 0: even these tiny tensors are partitioned and gathered per module (the default
-                 # 1e5 would keep every debug-sized tensor whole and test nothing)
-                 "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                       "stage3_gather_16bit_weights_on_model_save": True}}
+    ds_config = DeepSpeedConfig(train_batch=8 * int(os.environ["WORLD_SIZE"]), micro=8, accumulation=1, grad_clip=1.0,
+                                zero_stage=3, use_gpu=False,
+                                # threshold 0: even these tiny tensors are partitioned and gathered per module (the
+                                # default 1e5 would keep every debug-sized tensor whole and test nothing)
+                                zero_options={"stage3_param_persistence_threshold": 0})
     torch.manual_seed(0)
     model = construct(lambda: RTDPretrainer(QUIET, embedding_sharing=sharing), ds_config,
                       init_module=lambda module: rtd_init_weights(module, QUIET))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config.to_dict())
     assert all(p.numel() == 0 and p.ds_numel > 0 for p in model.parameters())  # all partitioned
     engine.save_16bit_model(out, "init.pt")  # collective: every rank gathers, rank 0 writes
     losses = _train(model, opt, engine)
@@ -351,3 +352,33 @@ def test_zero3_engine_matches_plain_torch(sharing, tmp_path):
     got = discriminator_weights(torch.load(tmp_path / "final.pt", weights_only=True), sharing)
     for key, value in plain.discriminator_state_dict().items():
         assert torch.allclose(got[key].float(), value, atol=1e-5), key
+
+
+# ----------------------------------------------------------------------------------------------- the objective
+
+def test_generator_deeper_than_the_discriminator_is_refused_before_any_stage():
+    """The RTD objective's own check (`stages.pretrain.check_config`), run by `pipeline.run` beside `validate`."""
+    import argparse
+
+    from core.config import ConfigError, apply_overrides, validate
+    from pipeline.presets import PRESETS
+    from pipeline.run import UserError, resolve_config
+    from stages.pretrain import check_config
+
+    cfg = apply_overrides(PRESETS["debug"](), ["pretrain.objective=rtd", "pretrain.generator_layers=4"])
+    validate(cfg)  # the section and cross-section checks pass; the objective's check is its own
+    with pytest.raises(ConfigError, match="generator_layers=4 is deeper than the discriminator"):
+        check_config(cfg.pretrain, cfg.model)
+    args = argparse.Namespace(preset="debug", overrides=["pretrain.objective=rtd", "pretrain.generator_layers=4"],
+                              task=None, pretrained=None)
+    with pytest.raises(UserError, match="generator_layers=4 is deeper than the discriminator"):
+        resolve_config(args)
+    check_config(dataclasses.replace(cfg.pretrain, objective="mlm"), cfg.model)  # MLM has no generator
+
+
+def test_every_configurable_objective_has_an_implementation():
+    from core.config import OBJECTIVES as NAMES
+    from stages.pretrain import OBJECTIVES
+
+    assert set(OBJECTIVES) == set(NAMES)
+    assert all(OBJECTIVES[name].name == name for name in NAMES)

@@ -163,18 +163,21 @@ def test_labels_stay_with_their_rows_through_the_pretraining_reader(tmp_path):
     and the validation sample) hands every row its own sop_label."""
     from deberta.config import debug
     from core.config import PretrainConfig
-    from stages.pretrain import data as data
-    from stages.pretrain.loop import LoopJob, numpy_columns, shard_columns, to_batch, validation_batches
+    import stages.pretrain.data as data
+    from stages.pretrain import objective_for
+    from stages.pretrain.loop import LoopJob, numpy_columns, to_batch, validation_batches
+    from training.deepspeed_config import build_deepspeed_config
 
     files, total = _coded_shards(tmp_path)
     cfg = PretrainConfig(num_workers=2, micro_batch_size=8, train_batch_size=16, sop=True, shuffle_buffer=300,
                          eval_batches=20)
+    objective = objective_for(cfg)
     split, seen = data.blocks(files), 0
     for rank in range(2):
-        for table in data.rank_batches(split, cfg.seed, 1, rank, 2, 8, cfg.shuffle_buffer, shard_columns(cfg)):
+        for table in data.rank_batches(split, cfg.seed, 1, rank, 2, 8, cfg.shuffle_buffer, objective.shard_columns):
             seen += _check_aligned(to_batch(numpy_columns(table)))
     assert seen == 2 * 8 * data.batches_per_epoch(split, cfg.seed, 1, 2, 8) > total * 0.8  # shuffled, most rows
-    job = LoopJob(cfg=cfg, model=debug(), ds_config={}, seq_len=16, train_files=tuple(files), val_files=tuple(files),
+    job = LoopJob(cfg=cfg, objective=objective, model=debug(), ds_config=build_deepspeed_config(cfg, 2, False), seq_len=16, train_files=tuple(files), val_files=tuple(files),
                   tokenizer_len=1000, mask_id=999, special_ids=(0, 1, 2, 3), word_start=b"", train_flops_per_token=0.0,
                   tracker=None)
     for rank in range(2):

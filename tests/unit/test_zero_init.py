@@ -1,4 +1,4 @@
-"""ZeRO-3 construction (`training.engine.construct` inside `deepspeed.zero.Init`, issue 15): on 2 CPU gloo ranks a
+"""ZeRO-3 construction (`training.engine.construct` inside `deepspeed.zero.Init`): on 2 CPU gloo ranks a
 rank that builds a model of >= 300M parameters never holds the whole model, and the run still trains (one AdamW
 step through `training.engine.deepspeed_engine`, the engine `build` makes). That such a run's ZeRO-3 checkpoint
 consolidates into the full model is the pretraining stage's own test
@@ -45,9 +45,9 @@ WORKER = textwrap.dedent("""
 def _trim_heap() -> None:
     """Hand freed heap pages back between the training phases: keeps the test's footprint down on a shared machine
     (DeepSpeed's gathers in the forward pass leave ~0.8 GiB of free heap per rank); not part of what is measured."""
-    from training.engine import _heap_trimmer
+    from training.engine import heap_trimmer
 
-    _heap_trimmer()()
+    heap_trimmer()()
 
 
 def _step(engine, rank: int) -> float:
@@ -69,13 +69,13 @@ def zero_init_run(out: str) -> None:
     import deepspeed
 
     from bench import memory
-    from training.deepspeed_config import engine_config
+    from training.deepspeed_config import DeepSpeedConfig
     from training.engine import OptimSpec, construct, deepspeed_engine, init_distributed
 
     init_distributed("gloo")
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    ds_config = engine_config(train_batch=world, micro=1, accum=1, clip=1.0, zero_stage=3, use_gpu=False)
-    ds_config["zero_optimization"].update(LEAN)
+    ds_config = DeepSpeedConfig(train_batch=world, micro=1, accumulation=1, grad_clip=1.0, zero_stage=3, use_gpu=False,
+                                zero_options=LEAN)
     torch.manual_seed(0)
     start = memory.reset_peak()  # the kernel's high-water mark; not ru_maxrss, which holds the parent's size
     model = construct(lambda: DebertaForMaskedLM(MODEL), ds_config, init_module=lambda m: init_weights(m, MODEL))

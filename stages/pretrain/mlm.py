@@ -1,0 +1,56 @@
+"""DeBERTa's objective (DeBERTa §3.2-3.3): `DebertaForMaskedLM` with the enhanced mask decoder, whole-word span
+masking of 15% of the words (n-grams up to `max_ngram`, 80/10/10 replacement).
+
+Artifact: model/ (ours, the EMD table included: what fine-tuning reads) and hf/ (transformers
+`DebertaV2ForMaskedLM`: backbone and LM head, without the EMD, whose HF counterpart does not exist); registered as
+a fill-mask MLflow Model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from stages.pretrain.objective import Export, Objective
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from deberta.config import DebertaConfig
+
+
+class MLM(Objective):
+    name = "mlm"
+
+    def build_model(self, model: "DebertaConfig") -> tuple[Callable[[], "nn.Module"], Callable[["nn.Module"], None]]:
+        from deberta.model import DebertaForMaskedLM, init_weights
+
+        sop = self.cfg.sop
+        return lambda: DebertaForMaskedLM(model, sop=sop), lambda m: init_weights(m, model)
+
+    def train_flops_per_token(self, model: "DebertaConfig", seq_len: int) -> float:
+        from deberta import flops
+
+        return flops.train_flops_per_token(model, seq_len, target_fraction=self.cfg.mlm_probability, sop=self.cfg.sop)
+
+    def plan_line(self, model: "DebertaConfig", counts: dict[str, int], largest: int) -> str:
+        return (f"  parameters: {counts['total']:,} (MLM with EMD position table; backbone {counts['backbone']:,}); "
+                f"largest layer {largest:,}")
+
+    def write_models(self, out: Path, model: "DebertaConfig", state_dict: dict, vocab_dir: Path) -> str:
+        """model/ (ours) and hf/ (transformers, with the tokenizer; the SOP head stays ours)."""
+        from deberta import checkpoint, hf
+        from deberta.model import DebertaForMaskedLM, unshared_state_dict
+
+        checkpoint.save(state_dict, model, out / "model")
+        if missing := checkpoint.load_into(DebertaForMaskedLM(model, sop=self.cfg.sop), out / "model"):
+            raise RuntimeError(f"consolidated checkpoint lacks {missing}")
+        flat = model.replace(share_layers="none")  # HF has no shared layers: the same model, weights copied out
+        mlm = DebertaForMaskedLM(flat)
+        mlm.load_state_dict(unshared_state_dict(state_dict, model), strict=False)
+        hf.save_pretrained(mlm, out / "hf", vocab_dir=vocab_dir)
+        return "hf/ DebertaV2ForMaskedLM" + (" (shared layers copied out)" if flat != model else "")
+
+    def export(self) -> Export:
+        return Export(description="DeBERTa MLM+EMD", task="fill-mask",
+                      example="The president said on [MASK] that he would resign.", tags={"objective": self.name})

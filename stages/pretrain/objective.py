@@ -1,0 +1,138 @@
+"""What a pretraining objective supplies; everything else (data order, engine, checkpoints, recovery) is shared.
+
+An `Objective` is built from the stage's `PretrainConfig` (`stages.pretrain.objective_for`, the one place that reads
+`pretrain.objective`) and answers every question on which MLM and RTD differ: its model and per-module init, its
+span masker, the numbers it logs per step and per validation pass (sums as named dicts, added over batches and
+workers), what it writes into the artifact and the registry, its training FLOPs and its line of the dry-run plan.
+The implementations are `mlm.py` (DeBERTa §3.2), `rtd.py` (DeBERTaV3 §2-3) and `sop.py`, ALBERT's sentence-order
+prediction (ALBERT §3.1) as an option on top of either. A new objective is one more file like `mlm.py`.
+
+Top-level imports stay torch-free (the driver module imports this at pipeline start-up); the model library is
+imported inside the methods that build or export models.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from core.config import PretrainConfig
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from deberta.config import DebertaConfig
+    from deberta.masking import SpanMasker
+
+Sums = dict[str, float]
+"""One validation pass's totals by name (e.g. `targets`, `mlm_loss_sum`), summed over batches and workers."""
+
+
+@dataclass(frozen=True)
+class Export:
+    """How the registry version of a pretrained model is logged (`stages.pretrain.register`)."""
+
+    description: str
+    """The model, e.g. "DeBERTa MLM+EMD"; the driver appends steps and ZeRO stage."""
+    task: str
+    """The MLflow Model's task over hf/ (`core.hf_pyfunc`): fill-mask or feature-extraction."""
+    example: str
+    """Input example of the MLflow Model."""
+    extra_dirs: tuple[str, ...] = ()
+    """Artifact directories logged beside model/ (RTD's generator/)."""
+    tags: Mapping[str, Any] = field(default_factory=dict)
+    """Registry tags naming the objective and its settings."""
+
+
+class Objective:
+    """The base every objective extends: the MLM family's defaults, overridden where an objective differs."""
+
+    name = ""
+    """The value of `pretrain.objective` it implements."""
+    step_metrics: tuple[str, ...] = ()
+    """Per-step numbers logged besides `loss` and averaged over micro-batches and workers (model outputs)."""
+
+    def __init__(self, cfg: PretrainConfig):
+        self.cfg = cfg
+
+    # ------------------------------------------------------------------------------------------------ checks
+    def check(self, model: DebertaConfig) -> list[str]:
+        """Problems with this objective's settings against the [model] section (messages naming the fix)."""
+        return []
+
+    # ------------------------------------------------------------------------------------------------- model
+    def build_model(self, model: "DebertaConfig") -> tuple[Callable[[], "nn.Module"], Callable[["nn.Module"], None]]:
+        """(model factory, per-module init that ZeRO-3 re-runs on gathered modules)."""
+        raise NotImplementedError
+
+    def masker(self, tokenizer_len: int, mask_id: int, special_ids, word_start) -> "SpanMasker":
+        """Span masking of 15% of the words, n-grams up to `max_ngram`, 80/10/10 replacement (DeBERTa §3.2)."""
+        from deberta.masking import SpanMasker
+
+        c = self.cfg
+        return SpanMasker(tokenizer_len, mask_id, special_ids, word_start, mlm_probability=c.mlm_probability,
+                          max_ngram=c.max_ngram, seed=c.seed)
+
+    def eval_inputs(self, mask_step: int) -> dict[str, Any]:
+        """Extra model inputs of a validation batch (fixed across passes) besides ids, mask and labels."""
+        return {}
+
+    @property
+    def shard_columns(self) -> tuple[str, ...]:
+        """Columns of the token shards the loop reads."""
+        return ("input_ids",)
+
+    # ----------------------------------------------------------------------------------------------- metrics
+    def finish_step_metrics(self, means: dict[str, float]) -> dict[str, float]:
+        """Averaged step metrics as logged."""
+        return means
+
+    def eval_sums(self, out: Mapping[str, "torch.Tensor"]) -> Sums:
+        """One validation batch's totals: MLM loss x targets, targets, correct predictions."""
+        n = float(out["num_targets"])
+        mlm = float(out["mlm_loss"] if "mlm_loss" in out else out["loss"])
+        return {"mlm_loss_sum": mlm * n, "targets": n, "correct": float(out["correct"])}
+
+    def eval_metrics(self, sums: Sums) -> dict[str, float]:
+        """Validation numbers from the summed totals."""
+        targets = max(sums["targets"], 1.0)
+        mlm = sums["mlm_loss_sum"] / targets
+        return {"val_loss": mlm, "val_accuracy": sums["correct"] / targets,
+                "val_perplexity": math.exp(min(mlm, 50.0)), "val_targets": sums["targets"]}
+
+    def eval_line(self, metrics: dict[str, float]) -> str:
+        """What the validation progress line adds to loss, accuracy and perplexity."""
+        return ""
+
+    # ------------------------------------------------------------------------------------------------- plans
+    def train_flops_per_token(self, model: "DebertaConfig", seq_len: int) -> float:
+        raise NotImplementedError
+
+    def parameter_counts(self, model: "DebertaConfig") -> dict[str, int]:
+        """Parameters of the whole pretraining model (meta device) and of the backbone fine-tuning reads."""
+        import torch
+
+        from deberta.model import num_parameters
+
+        factory, _ = self.build_model(model)
+        with torch.device("meta"):
+            whole = sum(p.numel() for p in factory().parameters())
+        return {"total": whole, "backbone": num_parameters(model, "backbone")}
+
+    def plan_line(self, model: "DebertaConfig", counts: dict[str, int], largest: int) -> str:
+        """The dry run's parameter line."""
+        raise NotImplementedError
+
+    flops_note = ""
+    """What the dry run's compute line adds (e.g. the generator's share)."""
+
+    # ------------------------------------------------------------------------------------------------ export
+    def write_models(self, out: Path, model: "DebertaConfig", state_dict: dict, vocab_dir: Path) -> str:
+        """The artifact's model directories from the consolidated state dict; returns a note on the exports."""
+        raise NotImplementedError
+
+    def export(self) -> Export:
+        raise NotImplementedError
