@@ -8,6 +8,8 @@ trained for a few hundred plain-torch steps on the same text, saved in the pretr
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -388,3 +390,153 @@ def test_deepspeed_sweep_zero3_two_workers_with_sift(pretrained, ray_local, mlfl
     assert mv.tags["sweep"] == "ds-sweep" and mv.tags["pretrain"] == "tiny-pretrain"
     children = client.search_runs([tracker.experiment_id], f"tags.mlflow.parentRunId = '{tracker.run_id}'")
     assert len(children) == 2 and all(r.info.status == "FINISHED" for r in children)
+
+
+# ----------------------------------------------------------------------------------------------- faults
+
+FAULT_GRID = dict(task="rotten-tomatoes", dropout=(0.0,), warmup_steps=(10,), lr=(1e-3, 2e-3), batch_size=(32,),
+                  epochs=2, max_seq_len=SEQ, max_train_examples=512)
+
+
+def _progress(exp_dir: Path) -> dict[str, "pd.DataFrame"]:
+    """trial id -> the rows Tune wrote for it so far (progress.csv: epoch, pid, ...)."""
+    import pandas as pd
+
+    out = {}
+    for csv in exp_dir.glob("*/progress.csv"):
+        rows = pd.read_csv(csv) if csv.stat().st_size else pd.DataFrame()
+        if len(rows):
+            out[rows["trial_id"].iloc[0]] = rows
+    return out
+
+
+def _descends_from_us(pid: int) -> bool:
+    """Is `pid` a process this test session started (a Ray worker of `ray_local`, under its raylet)?"""
+    while pid > 1:
+        if pid == os.getpid():
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+    return False
+
+
+def _kill_a_trial_after_its_first_epoch(exp_dir: Path, killed: list, deadline: float) -> None:
+    """SIGKILL the process of the first trial that reported one epoch (its pid is in Tune's own results)."""
+    while time.time() < deadline and not killed:
+        try:
+            for trial_id, rows in _progress(exp_dir).items():
+                pid = int(rows["pid"].iloc[0])
+                if len(rows) == 1 and _descends_from_us(pid) and b"ray::" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append((trial_id, pid))
+                    return
+        except (OSError, ValueError, KeyError):
+            pass  # a file half-written, a process just gone: look again
+        time.sleep(0.1)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_sweep_survives_a_killed_trial_process(pretrained, ray_local, tracker, tmp_path):
+    """A trial's process SIGKILLed after its first epoch: Tune retries it (finetune.max_failures) from that epoch's
+    checkpoint, and the sweep finishes with every grid point, each trial one MLflow run with each epoch once."""
+    import threading
+
+    killed: list[tuple[str, int]] = []
+    exp_dir = tmp_path / "ray_results" / "finetune-lost-trial"
+    killer = threading.Thread(target=_kill_a_trial_after_its_first_epoch,
+                              args=(exp_dir, killed, time.time() + 300), daemon=True)
+    killer.start()
+    cfg = FinetuneConfig(**FAULT_GRID, max_concurrent_trials=2, max_failures=1)
+    result, out, table = _sweep(cfg, pretrained, tmp_path, tracker, "lost-trial")
+    killer.join()
+    assert killed, "no trial was killed"
+    victim, pid = killed[0]
+
+    assert len(table) == 2 and sorted(table["lr"]) == [1e-3, 2e-3] and (table["epochs"] == 2).all()
+    rows = _progress(exp_dir)[victim]
+    # retried in a new process, which resumed after epoch 1 from its checkpoint instead of repeating it
+    assert list(rows["epoch"]) == [1, 2] and rows["pid"].iloc[0] == pid and rows["pid"].iloc[1] != pid, rows
+    assert result.counts["trials"] == 2 and (out / "model" / "model.pt").is_file()
+    children = tracker.client.search_runs([tracker.experiment_id], f"tags.mlflow.parentRunId = '{tracker.run_id}'")
+    assert sorted(r.data.tags["tune.trial_id"] for r in children) == sorted(table["trial_id"])
+    for run in children:
+        assert run.info.status == "FINISHED"
+        assert [m.step for m in tracker.client.get_metric_history(run.info.run_id, "train_loss")] == [1, 2]
+
+
+def _experiment_state(exp_dir: Path) -> dict[str, str]:
+    """trial id -> status, as the Tune driver last saved its experiment state."""
+    states = sorted(exp_dir.glob("experiment_state-*.json"), key=lambda p: p.stat().st_mtime)
+    if not states:
+        return {}
+    trials = json.loads(states[-1].read_text())["trial_data"]
+    return {t["trial_id"]: t["status"] for t in (json.loads(state) for state, _ in trials)}
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_sweep_resumes_after_its_driver_is_killed(pretrained, tmp_path):
+    """`python -m pipeline.run` killed with everything it started (its own PID namespace) once one trial of two has
+    finished, then run again: the Tune experiment is restored, the finished trial is not run again, the other
+    continues, and each trial has exactly one MLflow run, under the stage run that finished the sweep."""
+    import subprocess
+    import sys
+
+    import pandas as pd
+    from mlflow.tracking import MlflowClient
+
+    from deberta import hf
+    from deberta.model import DebertaForMaskedLM
+
+    pre, vocab = pretrained
+    mlm = DebertaForMaskedLM(checkpoint.load_config(pre.path / "model"))
+    checkpoint.load_into(mlm, pre.path / "model")
+    hf_dir = hf.save_pretrained(mlm, tmp_path / "tiny-hf", vocab_dir=vocab.path)
+    wd = tmp_path / "wd"
+    sets = [f"finetune.{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in FAULT_GRID.items()]
+    cmd = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-m", "pipeline.run",
+           "--pretrained", str(hf_dir), "--workdir", str(wd), "--set", "ray.num_cpus=2",
+           "--set", "finetune.max_concurrent_trials=1", *[a for s in sets for a in ("--set", s)]]
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
+    env["TUNE_GLOBAL_CHECKPOINT_S"] = "1"  # the driver saves its experiment state at most a second stale
+    repo = Path(__file__).resolve().parents[2]
+
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen(cmd, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline, states = time.time() + 600, {}
+        while time.time() < deadline and first.poll() is None:
+            exp_dirs = list((wd / "ray_results").glob("finetune-*"))
+            states = _experiment_state(exp_dirs[0]) if exp_dirs else {}
+            if sorted(states.values()) == ["RUNNING", "TERMINATED"]:
+                break
+            time.sleep(0.2)
+        first.kill()  # unshare: with --kill-child its PID namespace, Ray included, dies with it
+        first.wait(timeout=60)
+    assert sorted(states.values()) == ["RUNNING", "TERMINATED"], (states, (tmp_path / "first.log").read_text()[-3000:])
+    exp_dir = exp_dirs[0]
+    done = next(t for t, s in states.items() if s == "TERMINATED")
+    before = _progress(exp_dir)
+
+    second = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    art_id = exp_dir.name.removeprefix("finetune-")
+    table = pd.read_csv(wd / "artifacts" / "finetune" / art_id / "results.csv")
+    after = _progress(exp_dir)
+    # the same Tune trials (restored, not a fresh grid); the finished one untouched, the other one completed
+    assert sorted(table["trial_id"]) == sorted(states) and (table["epochs"] == 2).all()
+    assert after[done].equals(before[done]) and list(after[done]["epoch"]) == [1, 2]
+    assert {int(e) for t in states for e in after[t]["epoch"]} == {1, 2}
+
+    client = MlflowClient(f"sqlite:///{wd / 'mlflow' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("deberta-pipeline")
+    stage = client.search_runs([exp.experiment_id], "tags.`pipeline.stage` = 'finetune' and attributes.status = "
+                                                    "'FINISHED'")
+    trials = client.search_runs([exp.experiment_id], f"tags.`tune.experiment` = 'finetune-{art_id}'")
+    assert len(stage) == 1 and sorted(r.data.tags["tune.trial_id"] for r in trials) == sorted(states)
+    for run in trials:
+        assert run.info.status == "FINISHED" and run.data.tags["mlflow.parentRunId"] == stage[0].info.run_id
+        assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [1, 2]
+    assert "resuming the Tune experiment" in second.stdout
