@@ -205,9 +205,9 @@ def _zero_init(ds_config: DeepSpeedConfig):
             gathering_apply = nn.Module.apply  # DeepSpeed's, while the context is open
 
             def apply(module: nn.Module, fn):
-                out = gathering_apply(module, fn)  # recursion reaches every child through this wrapper
+                applied = gathering_apply(module, fn)  # recursion reaches every child through this wrapper
                 trim()
-                return out
+                return applied
 
             nn.Module.apply = apply
             yield

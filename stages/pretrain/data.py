@@ -42,15 +42,15 @@ class Block:
 
 def blocks(files: Sequence[str]) -> list[Block]:
     """The train split cut into blocks of at most BLOCK_ROWS sequences, in file order (from Parquet metadata)."""
-    out, offset = [], 0
+    split, offset = [], 0
     for path in files:
         meta = pq.ParquetFile(path).metadata
         for g in range(meta.num_row_groups):
             n = meta.row_group(g).num_rows
             for s in range(0, n, BLOCK_ROWS):
-                out.append(Block(path, g, s, min(BLOCK_ROWS, n - s), offset))
-                offset += out[-1].rows
-    return out
+                split.append(Block(path, g, s, min(BLOCK_ROWS, n - s), offset))
+                offset += split[-1].rows
+    return split
 
 
 def deal(n_blocks: int, seed: int, epoch: int, world: int) -> list[np.ndarray]:

@@ -90,11 +90,11 @@ class Objective:
         """Averaged step metrics as logged."""
         return means
 
-    def eval_sums(self, out: Mapping[str, "torch.Tensor"]) -> Sums:
+    def eval_sums(self, outputs: Mapping[str, "torch.Tensor"]) -> Sums:
         """One validation batch's totals: MLM loss x targets, targets, correct predictions."""
-        n = float(out["num_targets"])
-        mlm = float(out["mlm_loss"] if "mlm_loss" in out else out["loss"])
-        return {"mlm_loss_sum": mlm * n, "targets": n, "correct": float(out["correct"])}
+        n = float(outputs["num_targets"])
+        mlm = float(outputs["mlm_loss"] if "mlm_loss" in outputs else outputs["loss"])
+        return {"mlm_loss_sum": mlm * n, "targets": n, "correct": float(outputs["correct"])}
 
     def eval_metrics(self, sums: Sums) -> dict[str, float]:
         """Validation numbers from the summed totals."""

@@ -66,11 +66,11 @@ class RTD(Objective):
         """The generator's samples seeded by the mask step: the same replacements at every validation pass."""
         return {"generator": mask_step}
 
-    def eval_sums(self, out: Mapping[str, "torch.Tensor"]) -> Sums:
-        n, tokens = float(out["num_targets"]), float(out["num_tokens"])
-        return {"mlm_loss_sum": float(out["mlm_loss"]) * n, "targets": n, "correct": float(out["generator_correct"]),
-                "rtd_loss_sum": float(out["rtd_loss"]) * tokens, "tokens": tokens,
-                "rtd_correct": float(out["rtd_correct"]), "replaced": float(out["num_replaced"])}
+    def eval_sums(self, outputs: Mapping[str, "torch.Tensor"]) -> Sums:
+        n, tokens = float(outputs["num_targets"]), float(outputs["num_tokens"])
+        return {"mlm_loss_sum": float(outputs["mlm_loss"]) * n, "targets": n, "correct": float(outputs["generator_correct"]),
+                "rtd_loss_sum": float(outputs["rtd_loss"]) * tokens, "tokens": tokens,
+                "rtd_correct": float(outputs["rtd_correct"]), "replaced": float(outputs["num_replaced"])}
 
     def eval_metrics(self, sums: Sums) -> dict[str, float]:
         metrics = super().eval_metrics(sums)

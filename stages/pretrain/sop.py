@@ -60,10 +60,10 @@ class SentenceOrder(Objective):
         means["sop_accuracy"] = correct / count if count else float("nan")
         return means
 
-    def eval_sums(self, out: Mapping[str, "torch.Tensor"]) -> Sums:
-        count = float(out["sop_count"])
-        return {**self.inner.eval_sums(out), "sop_loss_sum": float(out["sop_loss"]) * count, "sop_pairs": count,
-                "sop_correct": float(out["sop_correct"])}
+    def eval_sums(self, outputs: Mapping[str, "torch.Tensor"]) -> Sums:
+        count = float(outputs["sop_count"])
+        return {**self.inner.eval_sums(outputs), "sop_loss_sum": float(outputs["sop_loss"]) * count, "sop_pairs": count,
+                "sop_correct": float(outputs["sop_correct"])}
 
     def eval_metrics(self, sums: Sums) -> dict[str, float]:
         metrics = self.inner.eval_metrics(sums)

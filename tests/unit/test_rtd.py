@@ -382,3 +382,24 @@ def test_every_configurable_objective_has_an_implementation():
 
     assert set(OBJECTIVES) == set(NAMES)
     assert all(OBJECTIVES[name].name == name for name in NAMES)
+
+
+def test_validation_sums_are_named_and_add_up_over_batches():
+    """RTD with SOP on top: every total has a name, two batches' totals add, and the metrics are the ratios the
+    loop logs (L = L_MLM + lambda L_RTD + L_SOP)."""
+    from core.config import PretrainConfig
+    from stages.pretrain import objective_for
+
+    objective = objective_for(PretrainConfig(objective="rtd", sop=True, rtd_weight=10.0))
+    outputs = {k: torch.tensor(v) for k, v in dict(
+        num_targets=4, mlm_loss=2.0, generator_correct=1, num_tokens=10, rtd_loss=0.5, rtd_correct=8, num_replaced=3,
+        sop_count=2, sop_loss=0.75, sop_correct=1).items()}
+    sums = objective.eval_sums(outputs)
+    assert set(sums) == {"mlm_loss_sum", "targets", "correct", "rtd_loss_sum", "tokens", "rtd_correct", "replaced",
+                         "sop_loss_sum", "sop_pairs", "sop_correct"}
+    metrics = objective.eval_metrics({k: 2 * v for k, v in sums.items()})
+    expected = {"val_loss": 2.0 + 10 * 0.5 + 0.75, "val_accuracy": 0.25, "val_targets": 8.0, "val_mlm_loss": 2.0,
+                "val_rtd_loss": 0.5, "val_rtd_accuracy": 0.8, "val_all_original_accuracy": 0.7,
+                "val_replaced_fraction": 0.75, "val_sop_loss": 0.75, "val_sop_accuracy": 0.5, "val_sop_pairs": 4.0}
+    assert {k: metrics[k] for k in expected} == pytest.approx(expected)
+    assert set(metrics) == {*expected, "val_perplexity"}

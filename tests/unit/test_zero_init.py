@@ -101,8 +101,7 @@ def zero_init_run(out: str) -> None:
 @pytest.mark.slow
 def test_zero3_rank_builds_a_300m_model_without_holding_it_whole_then_trains(tmp_path):
     """Each rank's peak RSS rise while `construct` builds the model stays well below the model's fp32 size: its own
-    shards are 0.5x, and the build adds one module at a time (measured 0.59-0.63x; 0.99-1.02x before `construct`
-    handed freed heap pages back). After one step every parameter stands for its full shape, initialised on gathered
+    shards are 0.5x, and the build adds one module at a time (measured 0.59-0.63x). After one step every parameter stands for its full shape, initialised on gathered
     modules (linear weights std 0.02: N(0, 0.02), not nn.Linear's own kaiming init, std 0.0147) and updated by
     AdamW (LayerNorm gains moved off 1 by at most lr)."""
     pytest.importorskip("deepspeed")
