@@ -497,9 +497,9 @@ def test_sweep_resumes_after_its_driver_is_killed(pretrained, tmp_path):
     hf_dir = hf.save_pretrained(mlm, tmp_path / "tiny-hf", vocab_dir=vocab.path)
     wd = tmp_path / "wd"
     sets = [f"finetune.{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in FAULT_GRID.items()]
+    sets += ["ray.num_cpus=2", "ray.dashboard=false", "finetune.max_concurrent_trials=1"]
     cmd = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-m", "pipeline.run",
-           "--pretrained", str(hf_dir), "--workdir", str(wd), "--set", "ray.num_cpus=2",
-           "--set", "finetune.max_concurrent_trials=1", *[a for s in sets for a in ("--set", s)]]
+           "--pretrained", str(hf_dir), "--workdir", str(wd), *[a for s in sets for a in ("--set", s)]]
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     env["TUNE_GLOBAL_CHECKPOINT_S"] = "1"  # the driver saves its experiment state at most a second stale
     repo = Path(__file__).resolve().parents[2]
