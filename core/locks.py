@@ -2,7 +2,7 @@
 
 Granularity: one lock per artifact a run builds (`workdir/locks/<stage>-<id>.lock`), not one per workdir. Two runs
 that build different artifacts from one workdir - two fine-tuning sweeps of different tasks from one pretrained
-model, a pretraining run beside a `--dry-run`-checked new vocabulary - are independent and both go ahead; only two
+model, a pretraining run beside the tokenization of another corpus - are independent and both go ahead; only two
 runs that would build the *same* artifact conflict, and the second refuses before writing anything. Each lock also
 lists the finished artifacts the holder reads while building, so a `--force` rebuild of one of them is refused
 while a live run reads it, and a run refuses to read an artifact another live run is rebuilding.

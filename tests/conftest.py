@@ -117,8 +117,9 @@ class TmpfsMount:
     def __init__(self, path: Path, proc: subprocess.Popen):
         self.path, self.proc = path, proc
 
-    def run(self, args: list[str], **kw) -> subprocess.CompletedProcess:
-        return subprocess.run(["nsenter", "--mount", f"--target={self.proc.pid}", "--", *args], **kw)
+    def run(self, args: list[str], cwd: Path | str = "/", **kw) -> subprocess.CompletedProcess:
+        """Run `args` in the mount namespace, in `cwd` (entering the namespace moves a process to its root)."""
+        return subprocess.run(["nsenter", "--mount", f"--target={self.proc.pid}", f"--wd={cwd}", "--", *args], **kw)
 
     def outside(self, path: Path | str = "") -> Path:
         return Path(f"/proc/{self.proc.pid}/root") / (self.path / path).relative_to("/")

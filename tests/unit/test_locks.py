@@ -149,3 +149,12 @@ def test_holders_lists_live_and_foreign_ones(tmp_path, live_process, dead_pid):
     plant(tmp_path / "b.lock", holder_of(dead_pid))
     plant(tmp_path / "c.lock", dataclasses.replace(Holder.me(), host="node-7"))
     assert sorted(p.name for p in locks.holders(tmp_path)) == ["a.lock", "c.lock"]
+
+
+def test_a_takeover_never_removes_a_lock_a_live_run_took_first(tmp_path, dead_pid, live_process):
+    """Between reading a stale holder and removing it, another run may have taken the lock over: its lock stays."""
+    path = tmp_path / "x.lock"
+    live = holder_of(live_process.pid)
+    plant(path, live)
+    locks._remove_stale(path, seen=holder_of(dead_pid))
+    assert locks.read_holder(path) == live and [p.name for p in tmp_path.iterdir()] == ["x.lock"]
