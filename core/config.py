@@ -1,8 +1,9 @@
 """Typed, frozen configuration of the whole pipeline: plain data, no model code (and no torch).
 
 One dataclass per section; `PipelineConfig` composes them. The [model] section is the model library's own
-`deberta.config.DebertaConfig` (torch-free): one class for the architecture, checked as it is built. Presets (pipeline/presets.py) build a
-`PipelineConfig`; the command line changes it only through `apply_overrides` ("section.key=value").
+`deberta.config.DebertaConfig` (torch-free): one class for the architecture, checked as it is built. Presets
+(pipeline/presets.py) build a `PipelineConfig`; the command line changes it only through `apply_overrides`
+("section.key=value").
 
 Validation happens once, before any stage runs: every section checks its own fields (`Section.check`),
 `validate` adds the invariants that span sections, and `check_cluster` the ones that need the live Ray

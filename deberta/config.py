@@ -144,8 +144,8 @@ class DebertaConfig:
         _require(self.position_buckets >= 0 and self.position_buckets % 2 == 0,
                  f"position_buckets={self.position_buckets}: must be 0 (no buckets) or a positive even number",
                  "position_buckets")
-        _require(self.vocab_size > self.pad_token_id,
-                 f"vocab_size={self.vocab_size} must exceed pad_token_id={self.pad_token_id}", "vocab_size", "pad_token_id")
+        _require(self.vocab_size > self.pad_token_id, f"vocab_size={self.vocab_size} must exceed "
+                 f"pad_token_id={self.pad_token_id}", "vocab_size", "pad_token_id")
         _require(self.attn_impl in ATTN_IMPLS, f"attn_impl={self.attn_impl!r}; choose one of {ATTN_IMPLS}", "attn_impl")
         _require(self.embedding_size >= 0, f"embedding_size={self.embedding_size} must be >= 1, or 0 for hidden_size "
                                            f"(no factorised embedding; ALBERT uses 128)", "embedding_size")

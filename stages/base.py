@@ -7,11 +7,12 @@ A stage is a module (or package) in `stages/` exposing:
 
 and listed in the stage table (`pipeline/plan.py`: name, run function, config sections, inputs).
 Its module imports no torch at the top (the pipeline core and the data stages stay torch-free).
-`cfg` is the stage's own config section (further sections by name), `inputs` maps
-upstream stage names to finished `Artifact`s (or the resolved external inputs: `raw`, `task`), `out` is an empty temporary directory that
-becomes the artifact when `run` returns (so a stage never needs its own atomic-write logic),
-and `ctx` carries what is not configuration: where to keep state that must survive a failed
-attempt, the MLflow tracker of the stage's run, and the lineage ids for registry tags.
+`cfg` is the stage's own config section (further sections by name; `model` is `deberta.config.DebertaConfig`,
+which the model library builds from directly), `inputs` maps upstream stage names to finished `Artifact`s (or the
+resolved external inputs: `raw`, `task`), `out` is an empty temporary directory that becomes the artifact when `run`
+returns (so a stage never needs its own atomic-write logic), and `ctx` carries what is not configuration: where to
+keep state that must survive a failed attempt, the MLflow tracker of the stage's run, and the lineage ids for
+registry tags.
 A stage raises `StageInputError` for problems a user can fix; the runner prints its message.
 """
 

@@ -1,5 +1,6 @@
 """One-text shingle sets and their Jaccard: the definitions the tests hold the batch kernels of
-`stages.corpus.minhash` to (tests/unit/test_minhash.py) and plant near-duplicates with (tests/integration/test_corpus.py)."""
+`stages.corpus.minhash` to (tests/unit/test_minhash.py) and plant near-duplicates with
+(tests/integration/test_corpus.py)."""
 
 from __future__ import annotations
 
