@@ -225,9 +225,8 @@ def finish(cfg: PretrainConfig, objective: Objective, out: Path, ctx: StageConte
 
     first_val = dict(_metric_history(ctx, "val_loss")).get(0)
     throughput = [v for _, v in _metric_history(ctx, "tokens_per_s")]
-    keys = ("val_loss", "val_accuracy", "val_perplexity", "val_mlm_loss", "val_rtd_loss", "val_rtd_accuracy",
-            "val_all_original_accuracy", "val_replaced_fraction")
-    metrics = {"final_loss": last("loss"), **{k: last(k) for k in keys}, "initial_val_loss": first_val,
+    metrics = {"final_loss": last("loss"), **{k: last(k) for k in objective.final_metrics},
+               "initial_val_loss": first_val,
                "tokens_per_s": float(np.median(throughput)) if throughput else None}
     metrics = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(v)}
     report = {**metrics, "objective": objective.name, "steps": cfg.max_steps, "seq_len": seq_len,

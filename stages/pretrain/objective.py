@@ -54,6 +54,8 @@ class Objective:
     """The value of `pretrain.objective` it implements."""
     step_metrics: tuple[str, ...] = ()
     """Per-step numbers logged besides `loss` and averaged over micro-batches and workers (model outputs)."""
+    final_metrics: tuple[str, ...] = ("val_loss", "val_accuracy", "val_perplexity", "val_mlm_loss")
+    """Validation numbers whose last value goes into metrics.json and the stage's result (those logged)."""
 
     def __init__(self, cfg: PretrainConfig):
         self.cfg = cfg

@@ -38,6 +38,8 @@ class RTD(Objective):
     name = "rtd"
     step_metrics = ("mlm_loss", "rtd_loss", "rtd_accuracy", "replaced_fraction", "generator_accuracy")
     flops_note = ", generator included"
+    final_metrics = (*Objective.final_metrics, "val_rtd_loss", "val_rtd_accuracy", "val_all_original_accuracy",
+                     "val_replaced_fraction")
 
     def check(self, model: DebertaConfig) -> list[str]:
         layers = self.cfg.generator_layers

@@ -36,6 +36,7 @@ class SentenceOrder(Objective):
         self.name = inner.name
         self.step_metrics = tuple(dict.fromkeys((*inner.step_metrics, *SOP_STEP_METRICS)))
         self.flops_note = inner.flops_note
+        self.final_metrics = inner.final_metrics
 
     def check(self, model: DebertaConfig) -> list[str]:
         return self.inner.check(model)
