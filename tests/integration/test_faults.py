@@ -229,5 +229,5 @@ def test_a_full_disk_is_one_line_naming_the_file_and_a_rerun_resumes(race, corpu
     again = disk.run(command(workdir, corpus_file, "--until", "vocab"), cwd=REPO, env=ENV, capture_output=True,
                      text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
-    assert "[corpus] cached" in again.stdout and f"[vocab] done" in again.stdout
+    assert "[corpus] cached" in again.stdout and "[vocab] done" in again.stdout
     assert (disk.outside(f"wd/artifacts/vocab/{vocab_id}") / "_SUCCESS").is_file()
