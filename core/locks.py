@@ -220,3 +220,21 @@ def holders(directory: Path) -> dict[Path, Holder]:
         if holder is not None and holder.alive() is not False:
             out[p] = holder
     return out
+
+
+def remove_stale(directory: Path) -> list[str]:
+    """Remove the lock files in `directory` whose holder is dead on this host (each taken over first, so a lock a
+    live run took meanwhile stays); one note per lock removed."""
+    notes = []
+    for path in sorted(Path(directory).glob("*.lock")) if Path(directory).is_dir() else ():
+        holder = read_holder(path)
+        if holder is None or holder.alive() is not False:
+            continue
+        try:
+            lock = acquire(path)
+        except LockHeld:
+            continue
+        lock.release()
+        if lock.took_over is not None:
+            notes.append(f"removed the stale lock {path} of {lock.took_over.describe()} (no longer running)")
+    return notes

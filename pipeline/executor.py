@@ -100,7 +100,8 @@ def _lock_path(workdir: Path, stage: str, art_id: str) -> Path:
 def claim(plan: list[PlannedStage], store: ArtifactStore, workdir: Path,
           take_foreign: bool = False) -> Iterator[None]:
     """Hold the locks of every artifact the plan builds for the block's duration (RunConflict if another live run
-    holds one), then remove the leftovers of dead runs. Each takeover and removal is said in one line."""
+    holds one), then remove the leftovers of dead runs: build directories and lock files. Each takeover and removal
+    is said in one line."""
     planned = {st.spec.name for st in plan}
     builds = [st for st in plan if st.selected and not st.cached]
     held: list[locks.Lock] = []
@@ -115,6 +116,7 @@ def claim(plan: list[PlannedStage], store: ArtifactStore, workdir: Path,
         _check_readers(builds, workdir)
         notes = [lock.takeover_note() for lock in held if lock.takeover_note()]
         notes += _remove_leftovers(store, workdir, {lock.path for lock in held})
+        notes += locks.remove_stale(workdir / "locks")  # e.g. of the stages a killed run had finished
         for note in notes:
             print(note, flush=True)
         yield

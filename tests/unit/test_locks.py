@@ -158,3 +158,13 @@ def test_a_takeover_never_removes_a_lock_a_live_run_took_first(tmp_path, dead_pi
     plant(path, live)
     locks._remove_stale(path, seen=holder_of(dead_pid))
     assert locks.read_holder(path) == live and [p.name for p in tmp_path.iterdir()] == ["x.lock"]
+
+
+def test_remove_stale_removes_only_dead_holders_locks(tmp_path, live_process, dead_pid):
+    plant(tmp_path / "a.lock", holder_of(live_process.pid))
+    dead = holder_of(dead_pid)
+    plant(tmp_path / "b.lock", dead)
+    plant(tmp_path / "c.lock", dataclasses.replace(Holder.me(), host="node-7"))
+    notes = locks.remove_stale(tmp_path)
+    assert notes == [f"removed the stale lock {tmp_path / 'b.lock'} of {dead.describe()} (no longer running)"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.lock", "c.lock"]
