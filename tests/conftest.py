@@ -7,6 +7,7 @@ every server here binds 127.0.0.1. Nothing is mocked: Ray, MLflow and SentencePi
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -72,33 +73,55 @@ def ray_local():
     ray.shutdown()
 
 
+class MlflowServer:
+    """A real `mlflow server` with a sqlite backend on 127.0.0.1 that a test can stop and start again (same port,
+    same store), as an operator restarting it would."""
+
+    def __init__(self, root: Path):
+        self.root, self.port = root, free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 120) -> None:
+        env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+        cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+               "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root}/mlflow.db",
+               "--artifacts-destination", str(self.root / "artifacts")]
+        log = open(self.root / "server.log", "a")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited: {(self.root / 'server.log').read_text()[-2000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"mlflow server did not start within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        """SIGKILL the server and its workers (its whole process group): clients see connection refused."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self.proc = None
+
+
 @pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory):
-    """A real `mlflow server` with a sqlite backend on 127.0.0.1; yields its tracking URI."""
-    root = tmp_path_factory.mktemp("mlflow")
-    port = free_port()
-    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-    cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-           "--workers", "1", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
-           "--artifacts-destination", str(root / "artifacts")]
-    log = open(root / "server.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"mlflow server exited: {(root / 'server.log').read_text()[-2000:]}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        raise RuntimeError("mlflow server did not start within 120 s")
-    yield uri
-    os.killpg(proc.pid, 15)
-    proc.wait(timeout=30)
+def mlflow_server_process(tmp_path_factory) -> MlflowServer:
+    """The session's one MLflow server, as an object a fault test may stop and start."""
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(mlflow_server_process) -> str:
+    """The tracking URI of the session's MLflow server."""
+    return mlflow_server_process.uri
 
 
 @pytest.fixture

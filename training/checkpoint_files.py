@@ -7,8 +7,8 @@ leaves a directory that looks whole and fails deep inside `torch.load`. So each 
 all `world` rank lists are present and every file they name exists with that size and digest.
 
 Digests, not only sizes: a flipped byte keeps the size. xxh3 reads at memory speed, so checking costs one
-read of the checkpoint (what loading it costs anyway). Resume walks the run's checkpoints newest first and
-takes the first that verifies (`newest_valid`), naming each one it skips and why.
+read of the checkpoint (what loading it costs anyway). Resume (`stages.pretrain.loop.restore`) walks the
+run's checkpoints newest first and takes the first that verifies, naming each one it skips and why.
 """
 
 from __future__ import annotations
@@ -70,22 +70,3 @@ def problem(directory: Path, world: int, ranks: range | None = None) -> str | No
             if _digest(path) != want["xxh3"]:
                 return f"{rel} does not match its digest (same size, different bytes)"
     return None
-
-
-def step_of(directory: Path) -> int:
-    """The training step a checkpoint holds (-1 when its state file is missing or unreadable)."""
-    try:
-        return int(json.loads((Path(directory) / STATE_FILE).read_text())["step"])
-    except (OSError, ValueError, KeyError):
-        return -1
-
-
-def newest_valid(candidates: list[Path], world: int) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint (by step) that verifies, and one line per newer one skipped."""
-    skipped = []
-    for path in sorted(candidates, key=step_of, reverse=True):
-        reason = problem(path, world)
-        if reason is None:
-            return path, skipped
-        skipped.append(f"skipped checkpoint {Path(path).name} (step {step_of(path)}): {reason}")
-    return None, skipped

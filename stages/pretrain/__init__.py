@@ -237,6 +237,11 @@ def finish(cfg: PretrainConfig, objective: Objective, out: Path, ctx: StageConte
     ctx.tracker.log_artifact(out / "loss_curve.png")
     version = register(cfg, objective, out, ctx)
     name = f"deberta-{ctx.preset}-pretrained"
+    unsent = int(final.get("unsent_metrics") or 0)
+    lost = {"metrics not logged": f"{unsent} points (tracking server unreachable at the end)"} if unsent else {}
+    if unsent:
+        print(f"[pretrain] warning: {unsent} metric points could not be logged to MLflow; the model is complete",
+              flush=True)
     return StageResult(
         metrics=metrics,
         counts={"steps": cfg.max_steps, "tokens": cfg.max_steps * cfg.train_batch_size * seq_len},
@@ -244,7 +249,7 @@ def finish(cfg: PretrainConfig, objective: Objective, out: Path, ctx: StageConte
         summary={f"registered {name}": f"version {version}",
                  "pretrain": f"val loss {metrics.get('initial_val_loss', float('nan')):.3f} -> "
                              f"{metrics.get('val_loss', float('nan')):.3f}, "
-                             f"{metrics.get('tokens_per_s', 0):,.0f} tokens/s"},
+                             f"{metrics.get('tokens_per_s', 0):,.0f} tokens/s", **lost},
     )
 
 

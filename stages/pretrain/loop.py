@@ -31,17 +31,20 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from deberta.config import DebertaConfig
-from training.deepspeed_config import DeepSpeedConfig
-from training.engine import Engine, OptimSpec, build
-from core.config import PretrainConfig
 import stages.pretrain.data as data
+from core.config import PretrainConfig
+from core.metric_buffer import MetricBuffer
+from deberta.config import DebertaConfig
 from deberta.masking import SpanMasker
 from stages.pretrain.objective import Objective, Sums
 from stages.segment_pairs import SOP_COLUMN
+from training import checkpoint_files
+from training.checkpoint_files import STATE_FILE
+from training.deepspeed_config import DeepSpeedConfig
+from training.engine import Engine, OptimSpec, build
 
-STATE_FILE = "train_state.json"
-"""Written by rank 0 next to DeepSpeed's files in every checkpoint: tag, step and data position."""
+METRICS_DRAIN_S = 300.0
+"""How long the end of training waits for metrics queued during a tracking outage before reporting them lost."""
 
 
 # ----------------------------------------------------------------------------- the step and the validation pass
@@ -165,10 +168,18 @@ class TrainState:
 
 
 class RankZero:
-    """The one place side effects happen: prints and MLflow metrics, on world rank 0 only."""
+    """The one place side effects happen: prints and MLflow metrics, on world rank 0 only.
+
+    Metrics go through a `MetricBuffer`: a tracking server that is down costs no training step (the points
+    queue and arrive, in order, when it is back), and one still down at the end is reported, not a failure."""
 
     def __init__(self, rank: int, tracker: Any):
         self.rank, self.tracker, self.started = rank, tracker, time.time()
+        self.buffer = MetricBuffer(self._send, say=self.print) if rank == 0 else None
+        self.unsent = 0
+
+    def _send(self, metrics: dict[str, float], step: int, timestamp_ms: int) -> None:
+        self.tracker.log_metrics(metrics, step=step, timestamp_ms=timestamp_ms)
 
     def print(self, message: str) -> None:
         if self.rank == 0:
@@ -178,8 +189,18 @@ class RankZero:
             sys.stdout.flush()
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        if self.rank == 0:
-            self.tracker.log_metrics({k: v for k, v in metrics.items() if v is not None}, step=step)
+        if self.buffer is not None:
+            self.buffer.log({k: v for k, v in metrics.items() if v is not None}, step=step)
+
+    def close(self, timeout_s: float = METRICS_DRAIN_S) -> int:
+        """Deliver what is queued (waiting up to `timeout_s`); returns the number of points never delivered."""
+        if self.buffer is not None:
+            left = self.buffer.close(timeout_s)
+            self.buffer, self.unsent = None, len(left)
+            if left:
+                self.print(f"warning: {len(left)} metric points (steps {left[0][1]}-{left[-1][1]}) could not be "
+                           f"logged: the tracking server was still unreachable after {timeout_s:.0f}s")
+        return self.unsent
 
 
 def optim_spec(cfg: PretrainConfig) -> OptimSpec:
@@ -288,27 +309,58 @@ def save_and_report(engine, state: TrainState, metrics: dict[str, float], rank: 
         engine.ds.save_checkpoint(str(root), tag=state.tag, client_state={"train_state": asdict(state)})
         if rank == 0:
             (root / STATE_FILE).write_text(json.dumps(asdict(state)))
+        checkpoint_files.write_file_list(root, rank)  # last: a checkpoint without it never finished
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(root)))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def restore(engine, rank0: RankZero) -> TrainState:
-    """Latest reported checkpoint (after a worker failure, or a restart of the stage) -> engine + position."""
+def run_checkpoints(latest) -> list:
+    """The run's checkpoints, newest first: the one Ray Train reports as latest, then the others it kept beside it
+    (Ray Train names them by time, so their names sort by age)."""
+    import pyarrow.fs as pafs
     import ray.train
 
-    ckpt = ray.train.get_checkpoint()
-    if ckpt is None:
+    parent = latest.path.rstrip("/").rsplit("/", 1)[0]
+    infos = latest.filesystem.get_file_info(pafs.FileSelector(parent))
+    older = sorted((i.path for i in infos if i.type == pafs.FileType.Directory
+                    and i.base_name.startswith("checkpoint_") and i.path != latest.path), reverse=True)
+    return [latest, *(ray.train.Checkpoint(path, filesystem=latest.filesystem) for path in older)]
+
+
+def restore(engine, rank0: RankZero, rank: int, world: int) -> TrainState:
+    """The newest checkpoint that verifies (after a worker failure, or a restart of the stage) -> engine + position.
+
+    Each rank reads its own files' list (`training.checkpoint_files`) and the ranks agree: a checkpoint a lost node
+    left half-written, or a shard a bad disk truncated, is skipped - said, and logged as `checkpoints_skipped` -
+    for the one before it."""
+    import ray.train
+    import torch.distributed as dist
+
+    latest = ray.train.get_checkpoint()
+    if latest is None:
         return TrainState()
-    with ckpt.as_directory() as d:
-        state = TrainState.read(Path(d))
-        path, _ = engine.ds.load_checkpoint(d, tag=state.tag, load_optimizer_states=True, load_lr_scheduler_states=True)
-        if path is None:
-            raise RuntimeError(f"DeepSpeed could not load checkpoint {state.tag} from {d}")
-    rank0.print(f"restored {state.tag} from {ckpt.path}: resuming at step {state.step + 1}, "
-              f"epoch {state.epoch}, micro-batch {state.batch_in_epoch}")
-    rank0.log({"restored_from_step": state.step}, step=state.step)
-    return state
+    skipped: list[str] = []
+    for ckpt in run_checkpoints(latest):
+        with ckpt.as_directory() as d:
+            reasons: list[Any] = [None] * world
+            dist.all_gather_object(reasons, checkpoint_files.problem(Path(d), world, range(rank, rank + 1)))
+            found = [r for r in reasons if r is not None]
+            if found:
+                skipped.append(f"{ckpt.path}: {found[0]}")
+                rank0.print(f"skipping checkpoint {ckpt.path}: {found[0]}")
+                continue
+            state = TrainState.read(Path(d))
+            path, _ = engine.ds.load_checkpoint(d, tag=state.tag, load_optimizer_states=True,
+                                                load_lr_scheduler_states=True)
+            if path is None:
+                raise RuntimeError(f"DeepSpeed could not load checkpoint {state.tag} from {d}")
+        rank0.print(f"restored {state.tag} from {ckpt.path}: resuming at step {state.step + 1}, "
+                    f"epoch {state.epoch}, micro-batch {state.batch_in_epoch}")
+        rank0.log({"restored_from_step": state.step, "checkpoints_skipped": len(skipped)}, step=state.step)
+        return state
+    raise RuntimeError("no checkpoint of this run verifies (" + "; ".join(skipped) + "); start over with "
+                       "--force pretrain")
 
 
 def worker_nodes(world: int) -> list[str]:
@@ -396,7 +448,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     rank0.print(f"{objective.name} objective, {world} workers on {len(set(nodes))} node(s), ZeRO-{cfg.zero_stage}, "
                 f"{'bf16 GPU' if cfg.use_gpu else 'fp32 CPU'}, accumulation {accum}; config "
                 + json.dumps({"pretrain": asdict(cfg), "deepspeed": job.ds_config.to_dict()}, sort_keys=True))
-    state = restore(engine, rank0)
+    state = restore(engine, rank0, rank, world)
     val_batches = validation_batches(job, rank, world)
     if state.step == 0:
         rank0.log(evaluate(engine, job, masker, val_batches, rank, world), step=0)
@@ -417,7 +469,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                         + objective.eval_line(last_eval))
             rank0.log(last_eval, step=state.step)
         if state.step % cfg.ckpt_interval == 0 or done:
-            final = {"worker_nodes": nodes} if done else {}
+            final = {"worker_nodes": nodes, "unsent_metrics": rank0.close()} if done else {}
             save_and_report(engine, state, {"step": state.step, **last_eval, **final}, rank)
     if first_step == cfg.max_steps:  # restarted after the last checkpoint: report it again as the result
-        save_and_report(engine, state, {"step": state.step, "worker_nodes": nodes}, rank)
+        save_and_report(engine, state, {"step": state.step, "worker_nodes": nodes, "unsent_metrics": rank0.close()},
+                        rank)
