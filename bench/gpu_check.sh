@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU check in one run, for a lent CUDA machine that has torch and transformers but not this project's
-# install: wheels for deepspeed and its missing dependencies travel in .whl/ (see README, "GPU figures").
+# install: wheels for deepspeed and its missing dependencies travel in .whl/ (see docs/cluster.md, GPU install).
 #   tests/gpu                     bf16 agrees with fp32; an MLM step trains in bf16
 #   bench.model                   ours vs transformers, bf16, 1.5B width, 8 layers, seq 512 (forward + backward)
 #   bench.train_step              the 1.5B model's full pretraining step: DeepSpeed ZeRO-2/3 engine vs torch AMP

@@ -94,7 +94,9 @@ def check_workdir(workdir: Path) -> Path:
     return workdir
 
 
-RAW_ID_VERSION = "2"  # 2: files by (path, size, mtime); the built-in corpus by content
+RAW_ID_VERSION = "2"
+"""Bumped when what identifies a raw corpus changes (today: files by path, size and mtime; the built-in corpus by
+content)."""
 
 
 def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path) -> tuple[dict, dict]:

@@ -31,7 +31,8 @@ from stages.finetune.sweep import (GRID_KEYS, _trial_runs_callback, best_checkpo
                                    results_table, run_sweep)
 from stages.finetune.tasks import TaskRef, majority_baseline
 
-VERSION = "2"  # 2: the reference linear schedule (lr 0 at the first step), SiFT as microsoft/DeBERTa
+VERSION = "2"
+"""Bumped when the stage's code changes what it writes (part of the artifact id)."""
 
 
 def dry_run(cfg: FinetuneConfig, model: DebertaConfig) -> str:
