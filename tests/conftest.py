@@ -150,8 +150,8 @@ class TmpfsMount:
 
 @pytest.fixture
 def tmpfs_mount(tmp_path):
-    """mount(size) -> TmpfsMount: a `size` tmpfs at tmp_path/mnt seen only by the commands run inside it; skipped
-    where this user may not mount (the mount namespace needs root, or an unprivileged user namespace)."""
+    """mount(size) -> TmpfsMount: a `size` tmpfs at tmp_path/mnt seen only by the commands run inside it. Needs
+    root (or an unprivileged user namespace) for the mount namespace; without it the test fails and says so."""
     mounts = []
 
     def mount(size: str) -> TmpfsMount:
@@ -162,7 +162,8 @@ def tmpfs_mount(tmp_path):
                                 stderr=subprocess.PIPE, text=True)
         if proc.stdout.readline().strip() != "mounted":
             proc.kill()
-            pytest.skip(f"cannot mount a tmpfs in a mount namespace here: {proc.stderr.read().strip()}")
+            pytest.fail(f"cannot mount a tmpfs in a mount namespace here (run the tests as root): "
+                        f"{proc.stderr.read().strip()}")
         mounts.append(proc)
         return TmpfsMount(path, proc)
 

@@ -315,17 +315,29 @@ def save_and_report(engine, state: TrainState, metrics: dict[str, float], rank: 
         shutil.rmtree(root, ignore_errors=True)
 
 
+def saved_step(fs, directory: str) -> int:
+    """The step a checkpoint directory holds, from its state file (-1 when it has none: never finished)."""
+    try:
+        with fs.open_input_stream(f"{directory}/{STATE_FILE}") as f:
+            return int(json.loads(f.read())["step"])
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
 def run_checkpoints(latest) -> list:
-    """The run's checkpoints, newest first: the one Ray Train reports as latest, then the others it kept beside it
-    (Ray Train names them by time, so their names sort by age)."""
+    """The run's checkpoints to try, newest first: the one Ray Train reports as latest, then those beside it that
+    hold earlier steps (by step; for a step saved twice, the newer directory first). Directories of later steps
+    that Ray Train never registered (its driver was lost during the upload) are left alone."""
     import pyarrow.fs as pafs
     import ray.train
 
-    parent = latest.path.rstrip("/").rsplit("/", 1)[0]
-    infos = latest.filesystem.get_file_info(pafs.FileSelector(parent))
-    older = sorted((i.path for i in infos if i.type == pafs.FileType.Directory
-                    and i.base_name.startswith("checkpoint_") and i.path != latest.path), reverse=True)
-    return [latest, *(ray.train.Checkpoint(path, filesystem=latest.filesystem) for path in older)]
+    fs, parent = latest.filesystem, latest.path.rstrip("/").rsplit("/", 1)[0]
+    latest_step = saved_step(fs, latest.path)
+    dirs = [i.path for i in fs.get_file_info(pafs.FileSelector(parent))
+            if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")]
+    steps = {d: saved_step(fs, d) for d in dirs}
+    older = sorted((d for d in dirs if 0 <= steps[d] < latest_step), key=lambda d: (steps[d], d), reverse=True)
+    return [latest, *(ray.train.Checkpoint(d, filesystem=fs) for d in older)]
 
 
 def restore(engine, rank0: RankZero, rank: int, world: int) -> TrainState:

@@ -435,8 +435,10 @@ def test_zero3_survives_worker_loss_and_stage_restart(ray_cluster_2_nodes, token
     proc.wait()
     assert killer.killed, "no training worker was killed"
     assert not (workdir / "artifacts" / "pretrain" / "z3").exists()
-    newest = max(checkpoints(workdir, "z3"), key=lambda c: json.loads((c / "train_state.json").read_text())["step"])
-    newest_step = json.loads((newest / "train_state.json").read_text())["step"]
+    # the checkpoint a restart restores: the newest registered one (a newer directory may be unregistered, and a
+    # step the worker loss made run twice has two directories; Ray Train names them by time)
+    newest_step = registered_step(workdir, "z3")
+    newest = [c for c in checkpoints(workdir, "z3") if (c / f"step{newest_step}").is_dir()][-1]
     [shard] = newest.glob("step*/zero_pp_rank_1_mp_rank_00_optim_states.pt")
     os.truncate(shard, shard.stat().st_size // 2)
     [(kind, result)] = run_driver(ray_cluster_2_nodes, [job], tmp_path)  # the stage, run again
