@@ -26,6 +26,12 @@ def timed(cmd: list[str], cwd: Path, log: Path) -> tuple[float, int]:
     return time.monotonic() - started, rc
 
 
+def pytest_counts(log: str) -> dict[str, int]:
+    """pytest's last summary line (`365 passed, 2 skipped, 28 warnings in 1024.73s`, `=`-framed or not)."""
+    summary = re.findall(r"^=* ?(\d+ (?:passed|failed).*) in [\d.]+s", log, re.M)
+    return {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary[-1])} if summary else {}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path, default=RESULTS / "make_test.json")
@@ -39,8 +45,7 @@ def main() -> None:
         subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
         install_s, install_rc = timed(["make", "install"], clone, args.log)
         test_s, test_rc = timed(["make", "test"], clone, args.log) if install_rc == 0 else (0.0, install_rc)
-    summary = re.findall(r"^=+ (.*(?:passed|failed).*) in [\d.]+s", args.log.read_text(), re.M)
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary[-1])} if summary else {}
+    counts = pytest_counts(args.log.read_text())
     report = {"bench": "make_test", "command": "python3 -m bench.make_test", "commit": commit,
               "install_s": round(install_s, 1), "test_s": round(test_s, 1), "total_s": round(install_s + test_s, 1),
               "rc": test_rc, "pytest": counts, "log": str(args.log)}
