@@ -19,17 +19,15 @@ from pathlib import Path
 
 import xxhash
 
+from core.artifacts import file_digest
+
 LIST_PREFIX = "_files.rank"
 STATE_FILE = "train_state.json"
 """The loop's own record of step and data position (written by rank 0 beside DeepSpeed's files)."""
 
 
-def _digest(path: Path, chunk: int = 1 << 22) -> str:
-    h = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+def _digest(path: Path) -> str:
+    return file_digest(path, xxhash.xxh3_64)
 
 
 def write_file_list(directory: Path, rank: int) -> None:
