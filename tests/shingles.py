@@ -1,20 +1,25 @@
-"""One-text shingle sets and their Jaccard: the definitions the tests hold the batch kernels of
-`stages.corpus.minhash` to (tests/unit/test_minhash.py) and plant near-duplicates with
-(tests/integration/test_corpus.py)."""
+"""Shingle sets and Jaccard by brute force over Python sets of strings: the independent reference the batch
+kernels of `stages.corpus.minhash` are held to (tests/unit/test_minhash.py, tests/unit/test_dedup.py) and that
+plants near duplicates (tests/integration/test_corpus.py). Nothing here hashes or calls the code under test."""
 
 from __future__ import annotations
 
-import numpy as np
 
-from stages.corpus.minhash import batch_shingles, jaccard_pairs, unique_sets
+def shingle_set(norm_text: str, kind: str = "char", size: int = 5) -> frozenset:
+    """The n-gram shingles of one normalised text as a set of strings (word n-grams: tuples of words); a text
+    shorter than n is one shingle, an empty text none."""
+    if kind == "char":
+        units = norm_text
+    elif kind == "word":
+        units = tuple(w for w in norm_text.split(" ") if w)
+    else:
+        raise ValueError(f"shingle kind {kind!r}: use char or word")
+    if len(units) < size:
+        return frozenset([units]) if units else frozenset()
+    return frozenset(units[i:i + size] for i in range(len(units) - size + 1))
 
 
-def shingle_set(norm_text: str, kind: str = "char", size: int = 5) -> np.ndarray:
-    """Sorted unique shingle hashes of one normalised text."""
-    return unique_sets(*batch_shingles([norm_text], kind, size))[0]
-
-
-def jaccard(a: np.ndarray, b: np.ndarray) -> float:
-    """Jaccard similarity of two sorted unique uint64 arrays."""
-    values, offsets = np.concatenate([a, b]), np.array([0, len(a), len(a) + len(b)])
-    return float(jaccard_pairs(values, offsets, np.array([0]), np.array([1]))[0])
+def jaccard(a: frozenset, b: frozenset) -> float:
+    """|a ∩ b| / |a ∪ b|; two empty sets are identical (1.0), as the stage counts them."""
+    union = len(a | b)
+    return len(a & b) / union if union else 1.0
