@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 
-.PHONY: install run test test-unit clean
+.PHONY: install run test test-unit check-figures clean
 
 $(STAMP): pyproject.toml Makefile
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ test: $(STAMP)
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
+
+# Every figure of README.md, bench/README.md and docs/ is a value of the result file it cites (bench/README.md says
+# how a figure names its file); tests/unit/test_figures.py runs the same check in `make test`.
+check-figures: $(STAMP)
+	$(PY) -m bench.check_figures
 
 clean:
 	rm -rf $(VENV) workdir
