@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 import pyarrow.parquet as pq
 
-from bench.common import comma_ints, emit
+from bench.common import RESULTS, comma_ints, emit
 from core.artifacts import Artifact
 from core.config import TokenizeConfig, VocabConfig
 from core.datasets import materialize_corpus
@@ -103,11 +103,12 @@ def time_stage(root: Path, corpus: Artifact, vocab: Artifact, cfg: TokenizeConfi
 
 def profile(tok: Tokenizer, corpus: Artifact, cfg: TokenizeConfig, root: Path) -> dict[str, float]:
     """CPU seconds of each phase of the stage's per-token work, run in this process on one thread (the actors'
-    code: `PackDocuments` and the shuffle's `scatter`/`write_permuted`), without Ray: where the time goes."""
+    code: `PackDocuments`, whose staged writer is the shuffle's pass 1, and its pass 2 `write_bucket`), without
+    Ray: where the time goes."""
     out = _mkdir(root / "profile")
     _mkdir(out / "train")
-    phases = dict.fromkeys(("read text", "encode", "pack + table", "write packed", "shuffle: read + key",
-                            "shuffle: sort + write"), 0.0)
+    phases = dict.fromkeys(("read text", "encode", "pack + table", "write packed (key, sort)",
+                            "shuffle pass 2: merge + write"), 0.0)
     clock = time.process_time
     staged = []
     for f in sorted((corpus.path / "train").glob("*.parquet")):
@@ -124,28 +125,20 @@ def profile(tok: Tokenizer, corpus: Artifact, cfg: TokenizeConfig, root: Path) -
             table = tokenize_stage.to_table(rows, lengths, batch.column("doc_id").take(pa.array(first)))
             phases["pack + table"] += clock() - t
             t = clock()
-            writer = writer or tokenize_stage.ShardWriter(out, f"train/{f.stem}.arrow", table.schema, 0.0)
+            writer = writer or tokenize_stage.StagedWriter(out, f"train/{f.stem}.arrow", (0, len(staged), 0), 0.0)
             writer.add(table)
-            phases["write packed"] += clock() - t
+            phases["write packed (key, sort)"] += clock() - t
             t = clock()
         t = clock()
         staged.append(writer.close())
-        phases["write packed"] += clock() - t
-    sizes = [n for _, n, _, _ in staged]
-    position = np.random.default_rng(0).permutation(sum(sizes))
-    bounds, groups = np.cumsum([0, *sizes]), []
-    t = clock()
-    for (name, *_), a, b in zip(staged, bounds[:-1], bounds[1:]):
-        groups.append(tokenize_stage.scatter({"path": [str(out / name)], "position": [position[a:b]]},
-                                             cfg.rows_per_shard))
-    table = pa.concat_tables(groups)  # the exchange itself (object store, Ray) is not in this profile
-    phases["shuffle: read + key"] = clock() - t
+        phases["write packed (key, sort)"] += clock() - t
+    total = sum(n for _, n, _, _ in staged)
     _mkdir(root / "profile-out" / "train")
     t = clock()
-    for shard in np.unique(table.column("shard").to_numpy()):
-        mask = pa.compute.equal(table.column("shard"), int(shard))
-        tokenize_stage.write_permuted(table.filter(mask), str(root / "profile-out"))
-    phases["shuffle: sort + write"] = clock() - t
+    tokenize_stage.write_bucket({"bucket": np.arange(-(-total // cfg.rows_per_shard))},
+                                [str(out / name) for name, *_ in staged], -(-total // cfg.rows_per_shard),
+                                str(root / "profile-out"))
+    phases["shuffle pass 2: merge + write"] = clock() - t
     shutil.rmtree(out)
     shutil.rmtree(root / "profile-out")
     return phases
@@ -160,7 +153,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--workers", type=comma_ints, default=(1, 2), help="comma-separated tokenize.num_workers to time")
     ap.add_argument("--repeats", type=int, default=2, help="each measurement's best of this many runs")
-    ap.add_argument("--json", type=Path, help="also write the JSON report here")
+    ap.add_argument("--json", type=Path, default=RESULTS / "tokenization.json", help="the JSON report's file")
     args = ap.parse_args()
     workers = list(args.workers)
 

@@ -1,14 +1,27 @@
 """Tokenize stage: corpus shards -> packed, fixed-length uint32 token sequences on Ray Data.
 
-Two passes. Pack: both splits stream through one `from_items(row groups) -> map_batches(PackDocuments)` pass.
-`PackDocuments` is an actor (one CPU each, `TokenizeConfig.num_workers` of them, never more than there are row
-groups: with fewer row groups each actor takes the CPUs of the missing ones and encodes with as many SentencePiece
-threads) that loads the SentencePiece model once, from bytes shipped with it, encodes a batch of documents per
-SentencePiece call, packs on numpy buffers and writes its shards itself (to a staging folder); only shard names
-and counts come back. Shuffle: the train split is rewritten as one seeded, uniform permutation of all its packed
-sequences (`shuffle_train`), so that consecutive sequences come from anywhere in the corpus, however it was
-ordered (a corpus assembled source by source would otherwise be trained on source by source). Validation keeps
-corpus order (pretraining draws a seeded sample of it).
+Two passes, both fully parallel, and no token passes through Ray's object store. Pack: both splits stream through
+one `from_items(row groups) -> map_batches(PackDocuments)` pass. `PackDocuments` is an actor (one CPU each,
+`TokenizeConfig.num_workers` of them, never more than there are row groups: with fewer row groups each actor takes
+the CPUs of the missing ones and encodes with as many SentencePiece threads) that loads the SentencePiece model
+once, from bytes shipped with it, encodes a batch of documents per SentencePiece call, packs on numpy buffers and
+writes its shards itself (to a staging folder); only shard names and counts come back. Shuffle: the train split is
+rewritten as one seeded, uniform permutation of all its packed sequences, so that consecutive sequences come from
+anywhere in the corpus, however it was ordered (a corpus assembled source by source would otherwise be trained on
+source by source). Validation keeps corpus order (pretraining draws a seeded sample of it).
+
+The shuffle is a file-based two-pass shuffle (an external sort by random key), chosen over Megatron's shuffle by
+index: it keeps the artifact what pretraining already reads - Parquet shards whose every stretch mixes the whole
+corpus, read block by block with one sequential read per block (`stages.pretrain.data`), resumable from the step -
+whereas reading by index needs a memory-mappable fixed-row format and a random read per sequence, which on an
+object store or NFS costs far more than one sequential rewrite here. Pass 1 (in the packing actors): every staged
+train sequence gets a uniform random 64-bit key, drawn by a generator seeded by (seed, unit, shard), and each
+staged shard is written sorted by key. Pass 2 (`write_bucket`, one task per output shard): output shard p holds the
+keys in [p, p + 1) * 2^64 / P, a contiguous slice of every staged shard (found by binary search in its memory-mapped
+key column), merged and sorted by key. Sorting by independent uniform keys is a uniform permutation, the keys
+depend only on the input and seed, so the same input and seed give the same order; every byte is read and written
+once per pass, and a task holds one output shard (about `rows_per_shard` sequences; the shards' sizes vary by
+about the square root of that).
 Like any Ray write to a path, the workdir must be reachable from every node (local disk on one node, NFS, ...).
 
 Boundary policy (RoBERTa's FULL-SENTENCES packing, [SEP] between documents): within one batch of `batch_size`
@@ -28,7 +41,7 @@ Output: train/ and validation/ Parquet shards with columns
   length:    int32, tokens before the padding ([CLS] and [SEP] included), so attention masks need no scan
   doc_id:    string, the corpus document the sequence's first token comes from (provenance)
   sop_label: int8, with segment_pairs only (1 swapped, 0 in order, -100 no pair)
-train/part-<j>.parquet holds positions [j * rows_per_shard, (j + 1) * rows_per_shard) of the permutation;
+train/part-<p>.parquet holds the p-th of P = ceil(sequences / rows_per_shard) stretches of the permutation;
 validation shard i of corpus row group u is validation/part-<u>-<i>.parquet (at most `rows_per_shard` sequences).
 The same inputs and seed give the same files. tokens.json (per split: documents, sequences, tokens, padding,
 files) holds the counts the manifest records.
@@ -56,10 +69,11 @@ if TYPE_CHECKING:
     from core.artifacts import Artifact
     from core.config import TokenizeConfig
 
-VERSION = "4"
+VERSION = "5"
 
 SUMMARY_FILE = "tokens.json"
 STAGING = ".packed"  # the packed, not yet shuffled shards; removed before the artifact is complete
+KEY = "key"  # the staged train shards' random sort key (uint64), dropped by the shuffle
 ROW_GROUP_ROWS = 1024  # sequences per Parquet row group: 2 MiB of ids at 512 tokens
 
 
@@ -164,9 +178,10 @@ class PackDocuments:
         k, cpu = 0, time.process_time()  # a shard's CPU time includes encoding its first batch
         for table in self.packed_batches(path, row_group):
             while len(table):
-                if shard is None:
-                    suffix = "arrow" if split == "train" else "parquet"  # train: staged for the shuffle
-                    shard = ShardWriter(self.out, f"{split}/part-{unit:05d}-{k:03d}.{suffix}", table.schema, cpu)
+                if shard is None and split == "train":  # staged for the shuffle, sorted by a seeded random key
+                    shard = StagedWriter(self.out, f"train/part-{unit:05d}-{k:03d}.arrow", (self.seed, unit, k), cpu)
+                elif shard is None:
+                    shard = ShardWriter(self.out, f"{split}/part-{unit:05d}-{k:03d}.parquet", table.schema, cpu)
                 take = min(len(table), self.rows_per_shard - shard.rows)
                 shard.add(table.slice(0, take))
                 table = table.slice(take)
@@ -178,20 +193,13 @@ class PackDocuments:
 
 
 class ShardWriter:
-    """One output file being written: whole row groups of ROW_GROUP_ROWS sequences, its counts and CPU time.
-
-    A name ending in .arrow is a staged train shard, read once by the shuffle: Arrow IPC, written and
-    memory-mapped back without encoding (Parquet's dictionary pages cost ~0.3 of the encode's CPU to write and
-    read again)."""
+    """One output Parquet file being written: whole row groups of ROW_GROUP_ROWS sequences, its counts and CPU time."""
 
     def __init__(self, out: Path, name: str, schema: pa.Schema, cpu_start: float):
         self.name, self.rows, self.tokens, self.cpu = name, 0, 0, cpu_start
-        if name.endswith(".arrow"):
-            self.writer = _IpcWriter(out / name, schema)
-        else:
-            # Dictionary encoding alone already packs ids to ~log2(vocab) bits; snappy on top saved no
-            # bytes on news text but doubled the write's CPU time (~10% of the encode's).
-            self.writer = pq.ParquetWriter(out / name, schema, compression="none")
+        # Dictionary encoding alone already packs ids to ~log2(vocab) bits; snappy on top saved no
+        # bytes on news text but doubled the write's CPU time (~10% of the encode's).
+        self.writer = pq.ParquetWriter(out / name, schema, compression="none")
         self.pending: list[pa.Table] = []
 
     def add(self, part: pa.Table) -> None:
@@ -204,28 +212,37 @@ class ShardWriter:
             self.writer.write_table(table.slice(0, whole), row_group_size=ROW_GROUP_ROWS)
             self.pending = [table.slice(whole)]
 
-    def _flush(self) -> None:
+    def close(self) -> tuple[str, int, int, float]:
         if sum(len(t) for t in self.pending):
             self.writer.write_table(pa.concat_tables(self.pending), row_group_size=ROW_GROUP_ROWS)
-        self.pending = []
-
-    def close(self) -> tuple[str, int, int, float]:
-        self._flush()
         self.writer.close()
         return self.name, self.rows, self.tokens, time.process_time() - self.cpu
 
 
-class _IpcWriter:
-    """pa.ipc file writer with ParquetWriter's write_table(table, row_group_size) / close() calls."""
+class StagedWriter:
+    """One staged train shard (pass 1 of the shuffle): its sequences, each with a uniform random uint64 KEY drawn
+    by a generator seeded by `seed` (the stage's seed, the unit, the shard), written sorted by key as one Arrow IPC
+    record batch - memory-mapped back by the shuffle without decoding, the key column zero-copy. Memory: the shard
+    (at most `rows_per_shard` sequences)."""
 
-    def __init__(self, path: Path, schema: pa.Schema):
-        self.writer = pa.ipc.new_file(str(path), schema)
+    def __init__(self, out: Path, name: str, seed: tuple[int, int, int], cpu_start: float):
+        self.path, self.name, self.seed = out / name, name, seed
+        self.rows, self.tokens, self.cpu = 0, 0, cpu_start
+        self.pending: list[pa.Table] = []
 
-    def write_table(self, table: pa.Table, row_group_size: int) -> None:
-        self.writer.write_table(table, max_chunksize=row_group_size)
+    def add(self, part: pa.Table) -> None:
+        self.pending.append(part)
+        self.rows += len(part)
+        self.tokens += int(pc.sum(part.column("length")).as_py())
 
-    def close(self) -> None:
-        self.writer.close()
+    def close(self) -> tuple[str, int, int, float]:
+        table = pa.concat_tables(self.pending)
+        keys = np.random.default_rng(list(self.seed)).bit_generator.random_raw(len(table)).astype(np.uint64)
+        order = np.argsort(keys, kind="stable")
+        table = table.take(pa.array(order)).append_column(KEY, pa.array(keys[order])).combine_chunks()
+        with pa.ipc.new_file(str(self.path), table.schema) as writer:
+            writer.write_table(table, max_chunksize=max(len(table), 1))
+        return self.name, self.rows, self.tokens, time.process_time() - self.cpu
 
 
 def read_staged(path: str) -> pa.Table:
@@ -283,61 +300,54 @@ def tokenize_splits(files: dict[str, Sequence[Path]], tok: Tokenizer, cfg: Token
     return sorted(ds.iter_rows(), key=lambda shard: shard["file"])  # names sort in input order
 
 
-def scatter(units: dict[str, np.ndarray], rows_per_shard: int) -> pa.Table:
-    """One unshuffled train shard -> its sequences, each with its output `position` and the `shard` holding it."""
-    [path], [position] = units["path"], units["position"]
-    table = read_staged(str(path))
-    position = np.asarray(position, dtype=np.int64)
-    return table.append_column("position", pa.array(position)).append_column(
-        "shard", pa.array(position // rows_per_shard, type=pa.int32()))
+def bucket_bounds(bucket: int, buckets: int) -> tuple[int, int]:
+    """[lo, hi) of output shard `bucket`'s keys: the bucket-th of `buckets` equal parts of [0, 2^64)."""
+    return (bucket << 64) // buckets, ((bucket + 1) << 64) // buckets
 
 
-def write_permuted(group: pa.Table, out: str) -> pa.Table:
-    """All sequences of one output shard (any order) -> train/part-<shard>.parquet sorted by position."""
-    cpu = time.process_time()
-    shard = int(group.column("shard")[0].as_py())
-    rows = group.sort_by("position").drop_columns(["position", "shard"])
-    writer = ShardWriter(Path(out), f"train/part-{shard:05d}.parquet", rows.schema, cpu)
-    writer.add(rows)
-    name, sequences, tokens, seconds = writer.close()
-    return pa.table({"split": ["train"], "file": [name], "sequences": [sequences], "tokens": [tokens],
-                     "cpu_seconds": [seconds]})
+def write_bucket(items: dict[str, np.ndarray], staged: list[str], buckets: int, out: str) -> dict[str, list]:
+    """Pass 2 of the shuffle, one output shard per item: its key range's slice of every staged shard (each sorted by
+    key, so the slice is contiguous), merged and sorted by key -> train/part-<bucket>.parquet."""
+    shards: dict[str, list] = {"split": [], "file": [], "sequences": [], "tokens": [], "cpu_seconds": []}
+    for bucket in items["bucket"].tolist():
+        cpu = time.process_time()
+        lo, hi = bucket_bounds(bucket, buckets)
+        parts = []
+        for path in staged:
+            table = read_staged(path)
+            keys = table.column(KEY).chunk(0).to_numpy() if table.num_rows else np.zeros(0, np.uint64)
+            a = int(np.searchsorted(keys, np.uint64(lo), "left"))
+            b = len(keys) if hi >= 1 << 64 else int(np.searchsorted(keys, np.uint64(hi), "left"))
+            if b > a:
+                parts.append(table.slice(a, b - a))
+        if not parts:
+            continue
+        rows = pa.concat_tables(parts)
+        rows = rows.take(pc.sort_indices(rows.column(KEY))).drop_columns([KEY])
+        writer = ShardWriter(Path(out), f"train/part-{bucket:05d}.parquet", rows.schema, cpu)
+        writer.add(rows)
+        for key, value in zip(shards, ("train", *writer.close())):
+            shards[key].append(value)
+    return shards
 
 
 def shuffle_train(shards: list[dict], staged: Path, out: Path, cfg: TokenizeConfig) -> list[dict]:
-    """Write the staged train shards to out/train/ as one seeded uniform permutation of all their sequences.
+    """Write the staged train shards (each sorted by its random keys) to out/train/ as P = ceil(sequences /
+    rows_per_shard) shards of consecutive key ranges: together, all sequences sorted by key (module docstring).
 
-    The driver draws the permutation (8 bytes per train sequence: 640 MB for DeBERTa's 160 GB of text) and
-    ships each staged shard its slice; Ray Data's groupby then moves every sequence to the task writing its
-    output shard (an all-to-all exchange through the object store, spilled to disk when larger), and that task
-    writes them sorted by position. The output depends only on the staged shards and `seed`, not on how Ray
-    scheduled the exchange. Memory per task: one staged shard or one output shard (`rows_per_shard` sequences).
-    """
+    One Ray Data task per output shard, reading the staged shards from the shared staging folder; nothing but
+    shard names and counts goes through the object store, and the driver holds nothing per sequence."""
     import ray.data
 
-    sizes = [int(s["sequences"]) for s in shards]
-    position = np.random.default_rng(cfg.seed).permutation(sum(sizes))  # (N,) output position of sequence g
-    bounds = np.cumsum([0, *sizes])
-    units = [{"path": str(staged / s["file"]), "position": position[a:b]}
-             for s, a, b in zip(shards, bounds[:-1], bounds[1:]) if b > a]
     (out / "train").mkdir()
-    if not units:
+    paths = [str(staged / s["file"]) for s in shards if int(s["sequences"])]
+    total = sum(int(s["sequences"]) for s in shards)
+    if not total:
         return []
-    shards_out = -(-len(position) // cfg.rows_per_shard)
-    context = ray.data.DataContext.get_current()
-    previous = context.shuffle_strategy
-    # Ray Data's default exchange (SHUFFLE_V2) starts aggregator actors: 9.3 s against 1.3 s for the task-based
-    # sort shuffle on 14k sequences here. A dataset keeps the context it was created with; restored after.
-    context.shuffle_strategy = ray.data.context.ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
-    try:
-        ds = ray.data.from_items(units, override_num_blocks=len(units))
-        ds = ds.map_batches(scatter, batch_size=1, batch_format="numpy",
-                            fn_kwargs={"rows_per_shard": cfg.rows_per_shard})
-        # One partition per output shard (the default, 200, would start that many reduce tasks for any size).
-        ds = ds.groupby("shard", num_partitions=shards_out).map_groups(write_permuted, batch_format="pyarrow",
-                                                                       fn_kwargs={"out": str(out)})
-    finally:
-        context.shuffle_strategy = previous
+    buckets = -(-total // cfg.rows_per_shard)
+    ds = ray.data.from_items([{"bucket": p} for p in range(buckets)], override_num_blocks=buckets)
+    ds = ds.map_batches(write_bucket, batch_size=1, batch_format="numpy",
+                        fn_kwargs={"staged": paths, "buckets": buckets, "out": str(out)})
     return sorted(ds.take_all(), key=lambda shard: shard["file"])
 
 
