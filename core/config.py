@@ -243,9 +243,23 @@ class PretrainConfig(Section):
     """Ray placement of the training workers: "PACK" (fill a node's GPUs first) or "SPREAD" (one per node first)."""
     seed: int = 0
     """Seeds model init, span masks (with step, micro-batch and rank) and the data order (with epoch and rank)."""
+    init: str = ""
+    """Continue pretraining a released checkpoint instead of starting from random weights: an HF DeBERTa-v2/v3
+    directory (config.json, weights, spm.model) or a registry version (models:/NAME/VERSION, models:/NAME@ALIAS).
+    Its config.json is the [model] section and its tokenizer the vocab stage's (docs/pretraining.md)."""
+    generator_init: str = ""
+    """objective=rtd with `init`: the generator to start from (an HF DebertaV2ForMaskedLM directory or registry
+    version); "" = the authors' pytorch_model.generator.bin beside `init` if there is one, else the lower
+    `generator_layers` layers of the discriminator."""
+    emd: bool = True
+    """The enhanced mask decoder in the MLM (DeBERTa §3.2; the MLM objective and RTD's generator). false: the
+    MLM head reads the backbone's last layer, as HF's DebertaV2ForMaskedLM does (continuing a checkpoint then
+    starts from exactly the function it was released as)."""
 
     HOW: ClassVar[frozenset[str]] = frozenset({"log_interval", "eval_interval", "eval_batches", "ckpt_interval",
-                                               "max_failures", "cpus_per_worker", "placement_strategy"})
+                                               "max_failures", "cpus_per_worker", "placement_strategy", "init",
+                                               "generator_init"})
+    """`init` and `generator_init` name where the weights come from; their digests are the stage's inputs."""
 
     def check(self) -> None:
         check_zero_stage(self.zero_stage, "pretrain")
@@ -265,6 +279,9 @@ class PretrainConfig(Section):
         _check(self.rtd_weight > 0, f"pretrain.rtd_weight={self.rtd_weight}: must be > 0 (DeBERTaV3 uses 50)")
         _check(self.generator_layers is None or self.generator_layers >= 1,
                f"pretrain.generator_layers={self.generator_layers}: must be >= 1 (or none for half the depth)")
+        _check(not self.generator_init or (self.init and self.objective == "rtd"),
+               f"pretrain.generator_init={self.generator_init}: a generator is only read when continuing RTD "
+               f"pretraining; set pretrain.objective=rtd and pretrain.init=DIR (or drop generator_init)")
 
 
 @dataclass(frozen=True)

@@ -413,16 +413,36 @@ class DebertaForMaskedLM(nn.Module):
     in training they also share one dropout mask on the relative table; eval is exactly the reference.
     The [CLS] state is the last layer once more, one query at position 0 against the same keys: what the
     backbone's last layer gives there (the EMD never computes it), at the cost of one query per sequence.
+
+    emd=False: no EMD (and no position table); the head reads the backbone's last layer, as HF's
+    DebertaV2ForMaskedLM does. forward(use_emd=False) computes that on a model that has one (the EMD's table and
+    second pass left out): what `transformers` computes for the same weights.
     """
 
-    def __init__(self, cfg: DebertaConfig, sop: bool = False):
+    def __init__(self, cfg: DebertaConfig, sop: bool = False, emd: bool = True):
         super().__init__()
         self.cfg = cfg
         self.deberta = DebertaModel(cfg, _init=False)
         self.lm_predictions = DebertaOnlyMLMHead(cfg)
-        self.emd = EnhancedMaskDecoder(cfg)
+        self.emd = EnhancedMaskDecoder(cfg) if emd else None
         self.sop_head = SentenceOrderHead(cfg) if sop else None
         self.apply(lambda m: init_weights(m, cfg))
+
+    def _forward_without_emd(self, input_ids, attention_mask, labels) -> dict[str, torch.Tensor]:
+        """All L layers, then the head: HF DebertaV2ForMaskedLM's computation."""
+        hidden, _, _ = self.deberta.encode(input_ids, attention_mask)  # (B, T, H)
+        word = self.deberta.embeddings.word_embeddings.weight
+        if labels is None:
+            out = {"logits": self.lm_predictions.lm_head(hidden, word)}  # (B, T, V)
+        else:
+            targets = labels != IGNORE_INDEX
+            logits = self.lm_predictions.lm_head(hidden[targets], word)  # (M, V), row-major target order
+            target_ids = labels[targets]
+            loss = F.cross_entropy(logits.float(), target_ids) if target_ids.numel() else logits.sum()
+            out = {"loss": loss, "logits": logits, "num_targets": targets.sum(),
+                   "correct": (logits.detach().argmax(-1) == target_ids).sum()}
+        out["cls_state"] = hidden[:, 0]
+        return out
 
     def _decode(self, hidden, ks: KeyState, rel, query_pos) -> torch.Tensor:
         """Two passes of the last layer; hidden (B, T, H) are keys/values, queries at query_pos (B, Mq)."""
@@ -465,10 +485,15 @@ class DebertaForMaskedLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         sop_labels: torch.Tensor | None = None,
+        use_emd: bool = True,
     ) -> dict[str, torch.Tensor]:
         if sop_labels is not None and self.sop_head is None:
             raise ValueError("DebertaForMaskedLM: sop_labels given, but the model has no sentence-order head; "
                              "build it with DebertaForMaskedLM(cfg, sop=True)")
+        if self.emd is None or not use_emd:
+            out = self._forward_without_emd(input_ids, attention_mask, labels)
+            cls_state = out.pop("cls_state")
+            return out if self.sop_head is None else self._with_sop(out, cls_state, labels, sop_labels)
         # H = output of layer L-1: the last layer is only ever run inside the EMD (and for [CLS])
         hidden, mask, rel = self.deberta.encode(input_ids, attention_mask, num_layers=self.cfg.num_hidden_layers - 1)
         ks = self.deberta.encoder.last_layer.attention.self.prepare_keys(hidden, mask, rel)
@@ -482,7 +507,11 @@ class DebertaForMaskedLM(nn.Module):
             out = self._mlm(hidden, ks, rel, labels)
         if self.sop_head is None:
             return out
-        sop_logits = self.sop_head(self._cls_state(hidden, ks, rel))  # (B, 2)
+        return self._with_sop(out, self._cls_state(hidden, ks, rel), labels, sop_labels)
+
+    def _with_sop(self, out: dict[str, torch.Tensor], cls_state: torch.Tensor, labels, sop_labels):
+        """ALBERT's SOP on the final [CLS] state (B, H): its logits, and with labels its loss added to the MLM's."""
+        sop_logits = self.sop_head(cls_state)  # (B, 2)
         out["sop_logits"] = sop_logits
         if labels is None:  # no MLM loss to add to: the SOP metrics alone, if asked for
             if sop_labels is not None:

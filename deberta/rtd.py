@@ -177,6 +177,7 @@ class RTDPretrainer(nn.Module):
     embedding_sharing: "gdes" (E_D = sg(E_G) + E_delta; E_delta is `discriminator.deberta.embeddings.
     word_embeddings.weight`, zero at init), "es" (one table), "nes" (two tables).
     sop: ALBERT's sentence-order head on the discriminator's [CLS] (the generator has none, and is thrown away);
+    emd: the generator's MLM with the enhanced mask decoder (`DebertaForMaskedLM`'s emd);
     with sop_labels the loss gains + L_SOP (weight 1, as ALBERT adds it to its MLM loss).
     """
 
@@ -188,6 +189,7 @@ class RTDPretrainer(nn.Module):
         embedding_sharing: str = "gdes",
         rtd_weight: float = 50.0,
         sop: bool = False,
+        emd: bool = True,
     ):
         super().__init__()
         if embedding_sharing not in EMBEDDING_SHARING:
@@ -200,7 +202,7 @@ class RTDPretrainer(nn.Module):
         self.generator_cfg = generator_config(cfg, generator_layers)
         self.embedding_sharing = embedding_sharing
         self.rtd_weight = float(rtd_weight)
-        self.generator = DebertaForMaskedLM(self.generator_cfg)
+        self.generator = DebertaForMaskedLM(self.generator_cfg, emd=emd)
         self.discriminator = DebertaForReplacedTokenDetection(cfg, sop=sop)
         disc_words = self.discriminator.deberta.embeddings.word_embeddings
         if embedding_sharing == "es":

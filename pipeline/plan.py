@@ -45,6 +45,18 @@ STAGES: tuple[StageSpec, ...] = (
 STAGE_NAMES = tuple(s.name for s in STAGES)
 FROM_CHECKPOINT_INPUTS = ("pretrain", "task")
 """The finetune stage's inputs when it starts from an external checkpoint: its directory holds the tokenizer."""
+CONTINUE_INPUTS = ("init", "generator_init")
+"""External inputs of continued pretraining (`pretrain.init`, `pretrain.generator_init`): the vocab stage then
+copies the init's tokenizer (its only input; the [vocab] settings train nothing), and pretrain reads both."""
+
+
+def _inputs(spec: StageSpec, external_ids: dict[str, str]) -> tuple[str, ...]:
+    if "pretrain" in external_ids:  # finetune.init: fine-tune that checkpoint, nothing else
+        return FROM_CHECKPOINT_INPUTS
+    given = tuple(name for name in CONTINUE_INPUTS if name in external_ids)
+    if given and spec.name == "vocab":
+        return ("init",)
+    return spec.inputs + given if given and spec.name == "pretrain" else spec.inputs
 
 
 def stages_until(last: str | None) -> tuple[StageSpec, ...]:
@@ -84,8 +96,9 @@ def make_plan(cfg: PipelineConfig, store: ArtifactStore, external_ids: dict[str,
     from_checkpoint = "pretrain" in external_ids  # finetune.init: fine-tune that checkpoint, nothing else
     specs = tuple(s for s in STAGES if s.name == "finetune") if from_checkpoint else stages_until(only or until)
     for spec in specs:
-        what = {s: getattr(cfg, s).what() for s in spec.sections}
-        input_ids = {name: ids[name] for name in (FROM_CHECKPOINT_INPUTS if from_checkpoint else spec.inputs)}
+        inputs = _inputs(spec, external_ids)
+        what = {} if inputs == ("init",) else {s: getattr(cfg, s).what() for s in spec.sections}
+        input_ids = {name: ids[name] for name in inputs}
         art_id = artifact_id(spec.name, spec.version, canonical_json(what), input_ids)
         ids[spec.name] = art_id
         forced = spec.name in force

@@ -153,6 +153,34 @@ def deberta_v3_large() -> PipelineConfig:
     return _v3("deberta-v3-large", MODEL_V3_LARGE, lr=3e-4, workers=128, micro=16, grid=GRID_V3_LARGE)
 
 
+def _v3_continue(base: PipelineConfig, workers: int, micro: int) -> PipelineConfig:
+    """The authors' continue recipe (microsoft/DeBERTa experiments/language_model/rtd.sh, deberta-v3-*-continue):
+    generator and discriminator from the released checkpoints (`pretrain.init`, required: the [model] section and
+    the vocabulary are the checkpoint's), lr 5e-5, warmup 10,000, 100,000 steps, batch 256 x 512 tokens, otherwise
+    Table 10's settings."""
+    return dataclasses.replace(
+        base, preset=f"{base.preset}-continue",
+        pretrain=dataclasses.replace(base.pretrain, num_workers=workers, micro_batch_size=micro, train_batch_size=256,
+                                     lr=5e-5, warmup_steps=10_000, max_steps=100_000, eval_interval=2_000,
+                                     ckpt_interval=2_000))
+
+
+def deberta_v3_xsmall_continue() -> PipelineConfig:
+    return _v3_continue(deberta_v3_xsmall(), workers=8, micro=32)
+
+
+def deberta_v3_small_continue() -> PipelineConfig:
+    return _v3_continue(deberta_v3_small(), workers=8, micro=32)
+
+
+def deberta_v3_base_continue() -> PipelineConfig:
+    return _v3_continue(deberta_v3_base(), workers=8, micro=32)
+
+
+def deberta_v3_large_continue() -> PipelineConfig:
+    return _v3_continue(deberta_v3_large(), workers=16, micro=16)
+
+
 PRESETS = {
     "debug": debug,
     "debug-v3": debug_v3,
@@ -163,4 +191,10 @@ PRESETS = {
     "deberta-v3-small": deberta_v3_small,
     "deberta-v3-base": deberta_v3_base,
     "deberta-v3-large": deberta_v3_large,
+    "deberta-v3-xsmall-continue": deberta_v3_xsmall_continue,
+    "deberta-v3-small-continue": deberta_v3_small_continue,
+    "deberta-v3-base-continue": deberta_v3_base_continue,
+    "deberta-v3-large-continue": deberta_v3_large_continue,
 }
+CONTINUE_PRESETS = frozenset(name for name in PRESETS if name.endswith("-continue"))
+"""Presets that continue a released checkpoint: `pretrain.init` must be set (the run refuses otherwise)."""

@@ -17,7 +17,7 @@ from core.artifacts import ArtifactStore, artifact_id, file_digest
 from core.config import ConfigError, PipelineConfig, apply_overrides, validate
 from core.datasets import materialize_corpus
 from pipeline.plan import STAGES, PlannedStage, make_plan, stages_until
-from pipeline.presets import PRESETS
+from pipeline.presets import CONTINUE_PRESETS, PRESETS
 from stages.pretrain import check_config as check_pretrain
 
 
@@ -79,6 +79,9 @@ def resolve_config(args: argparse.Namespace) -> PipelineConfig:
         check_pretrain(cfg.pretrain, cfg.model)
     except ConfigError as e:
         raise UserError(str(e)) from None
+    if args.preset in CONTINUE_PRESETS and not cfg.pretrain.init:
+        raise UserError(f"preset {args.preset} continues pretraining a released checkpoint; add --set "
+                        f"pretrain.init=DIR (an HF DeBERTa-v3 directory) or models:/NAME/VERSION")
     return cfg
 
 
@@ -108,7 +111,7 @@ def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path
     """
     from stages import corpus
     from core.errors import StageInputError
-    from stages.finetune.data import resolve_init
+    from core.init_checkpoint import resolve_init
     from stages.finetune.tasks import resolve_task
 
     init = cfg.finetune.init
@@ -123,6 +126,12 @@ def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path
         if init:  # a registry version is downloaded here, on the driver, before Ray starts
             objects["pretrain"] = resolve_init(init, workdir)
             ids["pretrain"] = objects["pretrain"].id
+        p = cfg.pretrain
+        if p.init and planned & {"vocab", "tokenize", "pretrain"}:  # continued pretraining
+            for key, value in (("init", p.init), ("generator_init", p.generator_init)):
+                if value:
+                    objects[key] = resolve_init(value, workdir, key=f"pretrain.{key}")
+                    ids[key] = objects[key].id
         if "corpus" in planned:
             if args.corpus:
                 patterns = tuple(args.corpus)
@@ -148,6 +157,7 @@ def print_plan(plan: list[PlannedStage]) -> None:
     for st in plan:
         state = ("cached (skip)" if st.cached else "run" if st.selected else "needed input, not built: error")
         state += " (--force: recomputed from scratch)" if st.forced else ""
+        state += " (the tokenizer of pretrain.init)" if list(st.input_ids) == ["init"] else ""
         print(f"  {st.spec.name:<9} {st.artifact_id}  {state}")
 
 
@@ -171,15 +181,55 @@ def from_checkpoint(args: argparse.Namespace, cfg: PipelineConfig, objects: dict
     from deberta.config import DebertaConfig
     from core.tokenizer import MODEL_FILE
     from core.errors import StageInputError
-    from stages.finetune.data import checkpoint_model_section
+    from core.init_checkpoint import model_section
 
     try:
         ckpt = objects["pretrain"]
         pieces = SentencePieceProcessor(model_file=str(Path(ckpt.path) / MODEL_FILE)).vocab_size()
-        cfg = dataclasses.replace(cfg, model=DebertaConfig(**checkpoint_model_section(ckpt)),
+        cfg = dataclasses.replace(cfg, model=DebertaConfig(**model_section(ckpt)),
                                   vocab=dataclasses.replace(cfg.vocab, vocab_size=pieces))
         cfg = apply_overrides(cfg, [o for o in args.overrides if o.startswith("model.")])  # --set still wins
         validate(cfg)
+    except (StageInputError, ConfigError) as e:
+        raise UserError(str(e)) from None
+    return cfg
+
+
+def continued(args: argparse.Namespace, cfg: PipelineConfig, objects: dict) -> PipelineConfig:
+    """pretrain.init: the [model] section is the checkpoint's config.json (a --set model.* that contradicts it is
+    an error, except the training choices) and [vocab] its tokenizer's size; for RTD, the generator's depth is
+    the given generator's."""
+    from deberta import continue_from
+    from core.errors import StageInputError
+
+    init = objects["init"]
+    p = cfg.pretrain
+    try:
+        released = init.config()
+        asked = apply_overrides(dataclasses.replace(cfg, model=released),
+                                [o for o in args.overrides if o.startswith("model.")]).model
+        clash = [f"model.{f.name}={getattr(asked, f.name)!r} (config.json: {getattr(released, f.name)!r})"
+                 for f in dataclasses.fields(released)
+                 if f.name not in continue_from.TRAINING_CHOICES and getattr(asked, f.name) != getattr(released, f.name)]
+        if clash:
+            raise UserError(f"{', '.join(clash)} contradicts pretrain.init={init.source}: continued pretraining keeps "
+                            f"the checkpoint's architecture; drop the --set")
+        layers = p.generator_layers
+        if p.objective == "rtd":
+            generator = objects.get("generator_init")
+            found = (continue_from.check_generator(generator.config(), released, generator.path, init.path)
+                     if generator else continue_from.generator_bin_layers(init.path, released))
+            if found is not None and layers is not None and layers != found:
+                raise UserError(f"pretrain.generator_layers={layers} contradicts the generator to start from "
+                                f"({found} layers); drop the --set")
+            layers = found if found is not None else layers
+        cfg = dataclasses.replace(cfg, model=asked, vocab=dataclasses.replace(cfg.vocab, vocab_size=init.tokenizer_length() - 1),
+                                  pretrain=dataclasses.replace(p, generator_layers=layers))
+        validate(cfg)
+        check_pretrain(cfg.pretrain, cfg.model)
+    except ValueError as e:
+        where = p.generator_init or f"(none; {continue_from.AUTHORS_GENERATOR_FILE} beside pretrain.init)"
+        raise UserError(f"pretrain.generator_init={where}: {e}") from None
     except (StageInputError, ConfigError) as e:
         raise UserError(str(e)) from None
     return cfg
@@ -194,6 +244,8 @@ def _main(args: argparse.Namespace) -> int:
     objects, ext_ids = external_inputs(args, cfg, workdir)
     if cfg.finetune.init:
         cfg = from_checkpoint(args, cfg, objects)
+    elif "init" in objects:
+        cfg = continued(args, cfg, objects)
     print(f"resolved config ({cfg.preset}):\n{cfg.to_json()}", flush=True)
     store = ArtifactStore(workdir)
     try:

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
@@ -188,7 +189,22 @@ def validation_stats(tok: Tokenizer, files: Sequence[Path], num_threads: int) ->
     }
 
 
+def from_init(init, out: Path) -> StageResult:
+    """`pretrain.init`: the released checkpoint's own SentencePiece model, in this stage's layout (its ids are the
+    ones the checkpoint was trained with: pieces 0-3 [PAD] [CLS] [SEP] [UNK], [MASK] = pieces, as released V3)."""
+    shutil.copyfile(Path(init.path) / MODEL_FILE, out / MODEL_FILE)
+    tok = Tokenizer.load(out / MODEL_FILE)
+    (out / SPECIAL_FILE).write_text(json.dumps(tok.special_ids, indent=2) + "\n")
+    stats = {"pieces": tok.vocab_size, "tokenizer_length": len(tok), "from": init.source, "from_digest": init.id}
+    (out / STATS_FILE).write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
+    return StageResult(counts={"pieces": tok.vocab_size, "tokenizer_length": len(tok)},
+                       log_files=(MODEL_FILE, SPECIAL_FILE, STATS_FILE),
+                       summary={"vocab": f"from {init.source}: {tok.vocab_size} pieces + [MASK]={tok.mask_id}"})
+
+
 def run(cfg: VocabConfig, *, inputs: dict[str, Artifact], out: Path, ctx: StageContext) -> StageResult:
+    if "init" in inputs:
+        return from_init(inputs["init"], out)
     corpus = inputs["corpus"]
     train = split_files(corpus, "train", ["doc_id", "text"])
     validation = split_files(corpus, "validation", ["text"])

@@ -6,7 +6,6 @@ weights imports torch, lazily.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,6 +15,7 @@ import numpy as np
 from core.artifacts import Artifact
 from core.tokenizer import MODEL_FILE, Tokenizer
 from core.errors import StageInputError
+from core.init_checkpoint import ExternalCheckpoint, resolve_checkpoint  # noqa: F401 (resolve_checkpoint: re-exported)
 
 if TYPE_CHECKING:
     import torch
@@ -75,102 +75,6 @@ def prepare_data(task: "TaskRef", tok: Tokenizer, cfg: "FinetuneConfig") -> tupl
 
 
 INIT_KEY = "finetune.init"
-
-
-@dataclass(frozen=True)
-class ExternalCheckpoint:
-    """A DeBERTa checkpoint that is not this pipeline's artifact (`finetune.init`, short `--pretrained`): an HF
-    DeBERTa-v2 directory (config.json, model.safetensors or pytorch_model.bin, and the spm.model it was trained
-    with) on disk, or a registry version's export downloaded into the workdir."""
-
-    path: str
-    """The local HF directory fine-tuning reads."""
-    id: str
-    """Its digest: of every file's (name, size, modification time) for a directory, so an edit gives a new id like
-    a corpus file; of the version and its source for a registry version (which never changes)."""
-    source: str
-    """What the lineage names: the directory, or the registry version (models:/NAME/VERSION)."""
-
-
-def _digest(value: object) -> str:
-    import hashlib
-
-    return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
-
-
-def resolve_checkpoint(path: str, source: str | None = None, digest: str | None = None) -> ExternalCheckpoint:
-    """An HF DeBERTa-v2 directory, checked as far as it can be without reading the weights: the files fine-tuning
-    reads, the architecture (`deberta.hf.from_hf_config`), and its tokenizer against the model's vocabulary.
-    StageInputError naming `finetune.init` and the fix otherwise."""
-    from deberta import hf
-
-    given = source or path
-    root = Path(path).expanduser().resolve()
-    if not root.is_dir():
-        raise StageInputError(f"{INIT_KEY}={given}: no such directory; give an HF DeBERTa-v2 directory (what "
-                              f"save_pretrained writes), models:/NAME/VERSION, models:/NAME@ALIAS, or nothing for the "
-                              f"pipeline's own pretrained model")
-    config_file = root / "config.json"
-    try:
-        model_type = json.loads(config_file.read_text()).get("model_type") if config_file.is_file() else None
-    except (ValueError, AttributeError):
-        model_type = "(not a JSON object)"
-    if model_type != "deberta-v2":
-        found = f"config.json says model_type={model_type!r}" if config_file.is_file() else "no config.json there"
-        raise StageInputError(f"{INIT_KEY}={given}: not a DeBERTa-v2/v3 model ({found}); point at an HF "
-                              f"DebertaV2 directory (config.json with model_type 'deberta-v2', weights, spm.model)")
-    if not any((root / name).is_file() for name in hf.WEIGHT_FILES):
-        raise StageInputError(f"{INIT_KEY}={given}: no weights there (looked for {', '.join(hf.WEIGHT_FILES)}); "
-                              f"point at a directory written by save_pretrained")
-    if not (root / MODEL_FILE).is_file():
-        raise StageInputError(f"{INIT_KEY}={given}: no {MODEL_FILE} there; fine-tuning tokenises with the model's "
-                              f"SentencePiece model: copy the one it was trained with into the directory")
-    ckpt = ExternalCheckpoint(str(root), digest or _listing_digest(root), given)
-    try:  # the tokenizer check reads only the config and the tokenizer files; the weights load in the stage
-        hf._check_tokenizer(hf.ImportedBackbone(_hf_config(ckpt), {}, root))
-    except ValueError as e:
-        raise StageInputError(f"{INIT_KEY}={given}: {e}") from None
-    return ckpt
-
-
-def _listing_digest(root: Path) -> str:
-    files = sorted(p for p in root.rglob("*") if p.is_file())
-    return _digest([(str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in files])
-
-
-def resolve_init(init: str, workdir: Path) -> ExternalCheckpoint:
-    """`finetune.init`: a directory, or a registry URI whose export is downloaded into the workdir first (on the
-    driver, before Ray starts; once per version)."""
-    if not init.startswith("models:/"):
-        if "://" in init or init.startswith(("runs:/", "models:")):
-            raise StageInputError(f"{INIT_KEY}={init}: only local directories and registry URIs (models:/NAME/VERSION, "
-                                  f"models:/NAME@ALIAS) are read; download the checkpoint first")
-        return resolve_checkpoint(init)
-    from core.lineage import download_registered_model
-
-    try:
-        export = download_registered_model(init, workdir)
-    except ValueError as e:
-        raise StageInputError(f"{INIT_KEY}={init}: {e}") from None
-    print(f"[finetune] {INIT_KEY}={init}: {export.uri} ({export.source}) in {export.path}", flush=True)
-    return resolve_checkpoint(str(export.path), source=export.uri, digest=_digest((export.uri, export.source)))
-
-
-def _hf_config(ckpt: ExternalCheckpoint) -> "DebertaConfig":
-    from transformers import DebertaV2Config
-
-    from deberta import hf
-
-    try:
-        return hf.from_hf_config(DebertaV2Config.from_pretrained(ckpt.path, local_files_only=True),
-                                 source=f"{ckpt.source}/config.json")
-    except ValueError as e:
-        raise StageInputError(f"{INIT_KEY}={ckpt.source}: {e}") from None
-
-
-def checkpoint_model_section(ckpt: ExternalCheckpoint) -> dict[str, Any]:
-    """The [model] section of an external checkpoint, from its config.json (StageInputError if unsupported)."""
-    return _hf_config(ckpt).to_dict()
 
 
 def pretrained_dirs(inputs: dict[str, Any], model: "DebertaConfig") -> tuple[Path, Path]:

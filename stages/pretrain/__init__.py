@@ -54,7 +54,11 @@ if TYPE_CHECKING:  # the model library and the worker loop import torch: only in
     from deberta.config import DebertaConfig
     from stages.pretrain.loop import LoopJob, TrainState
 
-VERSION = "3"
+VERSION = "4"
+
+RELEASED_LOSS = "val_loss_released"
+"""Continued runs: the validation MLM loss before the first step, computed as `transformers` computes it for the
+released checkpoint (`Objective.released_loss_inputs`: no EMD); equal to HF's own loss on the same batches."""
 
 OBJECTIVES: dict[str, type[Objective]] = {"mlm": MLM, "rtd": RTD}
 """`pretrain.objective` -> its implementation (`core.config.OBJECTIVES` lists the same names for `validate`)."""
@@ -132,17 +136,51 @@ def _trainer(cfg: PretrainConfig, job: "LoopJob", ctx: StageContext):
 
 
 def _loop_job(cfg: PretrainConfig, model: "DebertaConfig", ds_config: DeepSpeedConfig, seq_len: int,
-              train_files: list[str], val_files: list[str], tok: Tokenizer, tracker) -> "LoopJob":
+              train_files: list[str], val_files: list[str], tok: Tokenizer, tracker, objective: Objective,
+              init_weights: str = "") -> "LoopJob":
     from stages.pretrain.loop import LoopJob
 
-    objective = objective_for(cfg)
     return LoopJob(
         cfg=cfg, objective=objective, model=model, ds_config=ds_config, seq_len=seq_len,
         train_files=tuple(train_files), val_files=tuple(val_files), tokenizer_len=len(tok), mask_id=tok.mask_id,
         special_ids=tuple(sorted(tok.special_ids.values())),
         word_start=np.packbits(tok.word_start_mask()).tobytes(),
         train_flops_per_token=objective.train_flops_per_token(model, seq_len),
-        tracker=tracker)
+        tracker=tracker, init_weights=init_weights)
+
+
+INIT_WEIGHTS_FILE = "init-weights.safetensors"
+
+
+def initial_weights(objective: Objective, model: "DebertaConfig", inputs: dict, scratch: Path) -> tuple[str, dict]:
+    """Continued pretraining: the objective's starting weights from `pretrain.init` (and `generator_init`), checked
+    against the model key for key on the meta device, written once per artifact as safetensors that every worker
+    maps (under ZeRO-3 each module copies its own tensors); (path, where each part came from)."""
+    import torch
+    from safetensors.torch import save_file
+
+    init, generator = inputs["init"], inputs.get("generator_init")
+    target = scratch / INIT_WEIGHTS_FILE
+    try:
+        weights, notes = objective.initial_weights(model, init.path, generator.path if generator else "")
+    except (ValueError, FileNotFoundError) as e:
+        raise StageInputError(f"pretrain.init={init.source}: {e}") from None
+    factory, _ = objective.build_model(model)
+    with torch.device("meta"):
+        want = factory().state_dict()
+    bad = sorted(set(weights) - set(want)) + [k for k in weights if k in want and weights[k].shape != want[k].shape]
+    if bad:
+        raise StageInputError(f"pretrain.init={init.source}: {len(bad)} tensors do not fit the model, e.g. {bad[:3]}")
+    if not target.is_file():  # written whole, then renamed: present means complete
+        seen: set[int] = set()
+        tensors = {}
+        for key, tensor in weights.items():  # safetensors stores no shared memory: copy repeats (derived parts)
+            tensors[key] = tensor.clone() if tensor.data_ptr() in seen else tensor.contiguous()
+            seen.add(tensor.data_ptr())
+        scratch.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(target.with_suffix(".tmp")))
+        target.with_suffix(".tmp").replace(target)
+    return str(target), notes
 
 
 def consolidate(checkpoint_dir: Path, ds_config: DeepSpeedConfig) -> tuple[dict, "TrainState"]:
@@ -199,7 +237,13 @@ def run(cfg: PretrainConfig, *, model: DebertaConfig, inputs: dict[str, Artifact
     if train_rows < cfg.micro_batch_size * cfg.num_workers:
         raise StageInputError(f"the train split has {train_rows} sequences, fewer than micro_batch_size x workers = "
                               f"{cfg.micro_batch_size * cfg.num_workers}; tokenize more text or shrink the batch")
-    job = _loop_job(cfg, model, ds_config, seq_len, train_files, val_files, tok, ctx.tracker)
+    objective, init_file, notes = objective_for(cfg), "", {}
+    if "init" in inputs:
+        init_file, notes = initial_weights(objective, model, inputs, ctx.scratch)
+        print(f"[pretrain] continuing from {inputs['init'].source}: "
+              + "; ".join(f"{k} {v}" for k, v in notes.items()), flush=True)
+        ctx.tracker.set_tags(init_tags(inputs, notes))
+    job = _loop_job(cfg, model, ds_config, seq_len, train_files, val_files, tok, ctx.tracker, objective, init_file)
     ctx.tracker.log_dict({"deepspeed": ds_config.to_dict(), "seq_len": seq_len}, "deepspeed_config.json")
     started = time.time()
     result = _trainer(cfg, job, ctx).fit()
@@ -213,29 +257,42 @@ def run(cfg: PretrainConfig, *, model: DebertaConfig, inputs: dict[str, Artifact
         raise RuntimeError(f"last checkpoint is {state.tag}, expected step{cfg.max_steps}")
     hf_note = write_outputs(out, job.objective, model, state_dict, inputs["vocab"])
     print(f"[pretrain] artifact written after {time.time() - started:.0f}s; logging to MLflow", flush=True)
-    return finish(cfg, job.objective, out, ctx, result.metrics, seq_len, hf_note)
+    return finish(cfg, job.objective, out, ctx, result.metrics, seq_len, hf_note,
+                  init_tags(inputs, notes) if init_file else {})
+
+
+def init_tags(inputs: dict, notes: dict[str, str]) -> dict[str, str]:
+    """Lineage of a continued run (stage run and registry version): the checkpoints it started from, their
+    digests, and where each part of the model came from."""
+    tags = {}
+    for key in ("init", "generator_init"):
+        if key in inputs:
+            tags.update({f"{key}.source": inputs[key].source, f"{key}.digest": inputs[key].id})
+    return {**tags, **{f"init.{part}": note for part, note in notes.items()}}
 
 
 def finish(cfg: PretrainConfig, objective: Objective, out: Path, ctx: StageContext, final: dict,
-           seq_len: int, hf_note: str) -> StageResult:
+           seq_len: int, hf_note: str, lineage: dict[str, str] | None = None) -> StageResult:
     """metrics.json, loss curve, MLflow artifacts and the registry entry."""
     def last(key: str) -> float | None:
         history = _metric_history(ctx, key)
         return max(history)[1] if history else None  # the value at the highest step
 
     first_val = dict(_metric_history(ctx, "val_loss")).get(0)
+    released = dict(_metric_history(ctx, RELEASED_LOSS)).get(0)
     throughput = [v for _, v in _metric_history(ctx, "tokens_per_s")]
     metrics = {"final_loss": last("loss"), **{k: last(k) for k in objective.final_metrics},
-               "initial_val_loss": first_val,
+               "initial_val_loss": first_val, RELEASED_LOSS: released,
                "tokens_per_s": float(np.median(throughput)) if throughput else None}
     metrics = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(v)}
     report = {**metrics, "objective": objective.name, "steps": cfg.max_steps, "seq_len": seq_len,
               "train_batch_size": cfg.train_batch_size, "zero_stage": cfg.zero_stage, "num_workers": cfg.num_workers,
-              "worker_nodes": final.get("worker_nodes", []), "hf_export": hf_note}
+              "worker_nodes": final.get("worker_nodes", []), "hf_export": hf_note,
+              **({"init": lineage} if lineage else {})}
     (out / "metrics.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     plot_losses(ctx, out / "loss_curve.png")
     ctx.tracker.log_artifact(out / "loss_curve.png")
-    version = register(cfg, objective, out, ctx)
+    version = register(cfg, objective, out, ctx, lineage or {})
     name = f"deberta-{ctx.preset}-pretrained"
     unsent = int(final.get("unsent_metrics") or 0)
     lost = {"metrics not logged": f"{unsent} points (tracking server unreachable at the end)"} if unsent else {}
@@ -253,7 +310,8 @@ def finish(cfg: PretrainConfig, objective: Objective, out: Path, ctx: StageConte
     )
 
 
-def register(cfg: PretrainConfig, objective: Objective, out: Path, ctx: StageContext) -> str:
+def register(cfg: PretrainConfig, objective: Objective, out: Path, ctx: StageContext,
+             lineage: dict[str, str]) -> str:
     """Our checkpoint as a run artifact; the registry version `deberta-<preset>-pretrained`, tagged with its
     lineage and objective: an MLflow Model over hf/ (`core/hf_pyfunc.py`) of the objective's task."""
     export = objective.export()
@@ -262,7 +320,7 @@ def register(cfg: PretrainConfig, objective: Objective, out: Path, ctx: StageCon
         ctx.tracker.log_artifacts(out / directory, directory)
     name = f"deberta-{ctx.preset}-pretrained"
     tags = {**{stage: ctx.lineage.get(stage, "") for stage in ("corpus", "vocab", "tokenize")},
-            "pretrain": ctx.artifact_id, **export.tags}
+            "pretrain": ctx.artifact_id, **export.tags, **lineage}
     description = f"{export.description}, {cfg.max_steps} steps, ZeRO-{cfg.zero_stage}"
     uri = ctx.tracker.log_hf_model(out / "hf", task=export.task, name="pretrained", tags=tags,
                                    input_example={"text": [export.example]})

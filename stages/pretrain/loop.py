@@ -26,6 +26,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -101,15 +102,17 @@ def train_step(engine, objective: Objective, masker: SpanMasker, batches: Sequen
 
 def validation_sums(engine, objective: Objective, masker: SpanMasker, batches: Sequence[dict[str, torch.Tensor]],
                     rank: int = 0, world: int = 1,
-                    each: Callable[[int, dict[str, torch.Tensor]], None] | None = None) -> Sums:
+                    each: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
+                    extra: dict[str, Any] | None = None) -> Sums:
     """The objective's validation totals over this rank's batches (fixed masks and generator draws: batch i of
-    rank r uses mask step EVAL_MASK_OFFSET + i * world + r). `each(i, outputs)` sees every batch's outputs."""
+    rank r uses mask step EVAL_MASK_OFFSET + i * world + r). `each(i, outputs)` sees every batch's outputs; `extra`
+    goes to the model with every batch."""
     engine.eval()
     sums: Sums = {}
     with torch.no_grad():
         for i, batch in enumerate(batches):
             mask_step = EVAL_MASK_OFFSET + i * world + rank
-            outputs = forward(engine, masker, batch, mask_step, **objective.eval_inputs(mask_step))
+            outputs = forward(engine, masker, batch, mask_step, **objective.eval_inputs(mask_step), **(extra or {}))
             for k, v in objective.eval_sums(outputs).items():
                 sums[k] = sums.get(k, 0.0) + v
             if each is not None:
@@ -144,6 +147,8 @@ class LoopJob:
     """deberta.flops.train_flops_per_token at seq_len and the MLM target share."""
     tracker: Any
     """core.lineage.Tracker of the stage run (rank 0 logs through it)."""
+    init_weights: str = ""
+    """Continued pretraining: the safetensors file of starting weights (`stages.pretrain.initial_weights`)."""
 
     def word_start_mask(self) -> torch.Tensor:
         bits = np.unpackbits(np.frombuffer(self.word_start, dtype=np.uint8))[: self.tokenizer_len]
@@ -218,8 +223,34 @@ def build_engine(job: LoopJob, use_gpu: bool) -> Engine:
 
         torch.cuda.set_device(ray.train.torch.get_device())  # the GPU Ray assigned to this worker
     factory, init_module = job.objective.build_model(job.model)
+    weights = SafetensorsFile(job.init_weights) if job.init_weights else None
     return build(factory, optim_spec(job.cfg), ds_config=job.ds_config, backend="nccl" if use_gpu else "gloo",
-                 seed=job.cfg.seed, init_module=init_module)
+                 seed=job.cfg.seed, init_module=init_module, weights=weights)
+
+
+class SafetensorsFile(Mapping):
+    """The tensors of a safetensors file, each read when asked for: a rank building under ZeRO-3 holds one module's
+    starting weights at a time, not the model's (safetensors' `safe_open`)."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        self._file = safe_open(path, framework="pt", device="cpu")
+        self._keys = tuple(self._file.keys())
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._keys:
+            raise KeyError(key)
+        return self._file.get_tensor(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 def numpy_columns(table) -> dict[str, np.ndarray]:
@@ -293,9 +324,9 @@ def validation_batches(job: LoopJob, rank: int, world: int) -> list[dict[str, to
 
 
 def evaluate(engine, job: LoopJob, masker, batches: list[dict[str, torch.Tensor]], rank: int,
-             world: int) -> dict[str, float]:
-    """Validation numbers of the objective on every worker's batches (`step.validation_sums`, summed over workers)."""
-    sums: Sums = validation_sums(engine, job.objective, masker, batches, rank, world)
+             world: int, extra: dict[str, Any] | None = None) -> dict[str, float]:
+    """Validation numbers of the objective on every worker's batches (`validation_sums`, summed over workers)."""
+    sums: Sums = validation_sums(engine, job.objective, masker, batches, rank, world, extra=extra)
     return job.objective.eval_metrics(all_reduce_sum(sums, engine.device))
 
 
@@ -464,6 +495,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     val_batches = validation_batches(job, rank, world)
     if state.step == 0:
         rank0.log(evaluate(engine, job, masker, val_batches, rank, world), step=0)
+        released = job.objective.released_loss_inputs() if job.init_weights else None
+        if released is not None:  # the checkpoint as transformers computes it: proof that all of it was taken
+            loss = evaluate(engine, job, masker, val_batches, rank, world, released)
+            loss = loss.get("val_mlm_loss", loss["val_loss"])
+            rank0.print(f"validation MLM loss of the released checkpoint (as transformers computes it): {loss:.4f}")
+            rank0.log({"val_loss_released": loss}, step=0)
     batches = micro_batches(job, rank, world, state)
     timer, last_eval, first_step = Throughput(job, world, state.step), {}, state.step
     while state.step < cfg.max_steps:

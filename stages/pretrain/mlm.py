@@ -9,11 +9,12 @@ a fill-mask MLflow Model.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from stages.pretrain.objective import Export, Objective
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from deberta.config import DebertaConfig
@@ -25,8 +26,18 @@ class MLM(Objective):
     def build_model(self, model: "DebertaConfig") -> tuple[Callable[[], "nn.Module"], Callable[["nn.Module"], None]]:
         from deberta.model import DebertaForMaskedLM, init_weights
 
-        sop = self.cfg.sop
-        return lambda: DebertaForMaskedLM(model, sop=sop), lambda m: init_weights(m, model)
+        sop, emd = self.cfg.sop, self.cfg.emd
+        return lambda: DebertaForMaskedLM(model, sop=sop, emd=emd), lambda m: init_weights(m, model)
+
+    def initial_weights(self, model: "DebertaConfig", init: str, generator_init: str = ""
+                        ) -> tuple[dict[str, "torch.Tensor"], dict[str, str]]:
+        from deberta import continue_from
+
+        return continue_from.mlm_weights(continue_from.read(init, model), self.cfg.emd)
+
+    def released_loss_inputs(self) -> dict[str, Any] | None:
+        """HF's DebertaV2ForMaskedLM: the head on the backbone's last layer, no EMD."""
+        return {"use_emd": False}
 
     def train_flops_per_token(self, model: "DebertaConfig", seq_len: int) -> float:
         from deberta import flops
@@ -43,7 +54,7 @@ class MLM(Objective):
         from deberta.model import DebertaForMaskedLM, unshared_state_dict
 
         checkpoint.save(state_dict, model, out / "model")
-        if missing := checkpoint.load_into(DebertaForMaskedLM(model, sop=self.cfg.sop), out / "model"):
+        if missing := checkpoint.load_into(DebertaForMaskedLM(model, sop=self.cfg.sop, emd=self.cfg.emd), out / "model"):
             raise RuntimeError(f"consolidated checkpoint lacks {missing}")
         flat = model.replace(share_layers="none")  # HF has no shared layers: the same model, weights copied out
         mlm = DebertaForMaskedLM(flat)
@@ -52,5 +63,5 @@ class MLM(Objective):
         return "hf/ DebertaV2ForMaskedLM" + (" (shared layers copied out)" if flat != model else "")
 
     def export(self) -> Export:
-        return Export(description="DeBERTa MLM+EMD", task="fill-mask",
+        return Export(description="DeBERTa MLM" + ("+EMD" if self.cfg.emd else " (no EMD)"), task="fill-mask",
                       example="The president said on [MASK] that he would resign.", tags={"objective": self.name})

@@ -70,6 +70,18 @@ class Objective:
         """(model factory, per-module init that ZeRO-3 re-runs on gathered modules)."""
         raise NotImplementedError
 
+    def initial_weights(self, model: "DebertaConfig", init: str, generator_init: str = ""
+                        ) -> tuple[dict[str, "torch.Tensor"], dict[str, str]]:
+        """Continued pretraining (`pretrain.init`): the model's starting weights from the released HF directory
+        `init` (a subset of its state dict; the rest keeps its fresh init) and a note per part saying where it came
+        from (`deberta.continue_from`). ValueError naming the part that does not fit."""
+        raise NotImplementedError
+
+    def released_loss_inputs(self) -> dict[str, Any] | None:
+        """Extra model inputs that make a validation pass compute the loss `transformers` computes for the released
+        checkpoint (logged once, before the first step of a continued run), or None where there is no such loss."""
+        return None
+
     def masker(self, tokenizer_len: int, mask_id: int, special_ids, word_start) -> "SpanMasker":
         """Span masking of 15% of the words, n-grams up to `max_ngram`, 80/10/10 replacement (DeBERTa §3.2)."""
         from deberta.masking import SpanMasker

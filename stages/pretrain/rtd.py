@@ -53,8 +53,21 @@ class RTD(Objective):
 
         c = self.cfg
         return (lambda: RTDPretrainer(model, generator_layers=c.generator_layers, embedding_sharing=c.embedding_sharing,
-                                      rtd_weight=c.rtd_weight, sop=c.sop),
+                                      rtd_weight=c.rtd_weight, sop=c.sop, emd=c.emd),
                 lambda m: rtd_init_weights(m, model))
+
+    def initial_weights(self, model: "DebertaConfig", init: str, generator_init: str = ""
+                        ) -> tuple[dict[str, "torch.Tensor"], dict[str, str]]:
+        """The discriminator from `init`; the generator from `generator_init`, else the authors'
+        pytorch_model.generator.bin beside it, else derived from the discriminator (`deberta.continue_from`)."""
+        from deberta import continue_from
+
+        c, layers = self.cfg, self.generator_config(model).num_hidden_layers
+        gen_cfg = self.generator_config(model)
+        generator = (continue_from.read(generator_init, gen_cfg) if generator_init
+                     else continue_from.read_generator(init, model, layers))
+        return continue_from.rtd_weights(continue_from.read(init, model), generator, layers, c.embedding_sharing,
+                                         c.emd)
 
     def masker(self, tokenizer_len: int, mask_id: int, special_ids, word_start) -> "SpanMasker":
         """The reference RTD task: single words, every target [MASK]."""
@@ -125,7 +138,7 @@ class RTD(Objective):
         disc.load_state_dict(unshared_state_dict(discriminator_weights(state_dict, c.embedding_sharing), model))
         hf.save_pretrained(disc, out / "hf", vocab_dir=vocab_dir)
         gen_cfg = self.generator_config(model)
-        gen = DebertaForMaskedLM(gen_cfg.replace(share_layers="none"))
+        gen = DebertaForMaskedLM(gen_cfg.replace(share_layers="none"), emd=c.emd)
         gen.load_state_dict(unshared_state_dict(generator_weights(state_dict), gen_cfg))
         hf.save_pretrained(gen, out / "generator", vocab_dir=vocab_dir)
         return (f"hf/ discriminator (DebertaV2Model, {c.embedding_sharing} embeddings merged), "

@@ -44,6 +44,14 @@ class SentenceOrder(Objective):
     def build_model(self, model: "DebertaConfig") -> tuple[Callable[[], "nn.Module"], Callable[["nn.Module"], None]]:
         return self.inner.build_model(model)
 
+    def initial_weights(self, model: "DebertaConfig", init: str, generator_init: str = ""
+                        ) -> tuple[dict[str, "torch.Tensor"], dict[str, str]]:
+        weights, notes = self.inner.initial_weights(model, init, generator_init)
+        return weights, {**notes, "sop_head": "new (released checkpoints have none)"}
+
+    def released_loss_inputs(self) -> dict[str, Any] | None:
+        return self.inner.released_loss_inputs()
+
     def masker(self, tokenizer_len: int, mask_id: int, special_ids, word_start) -> "SpanMasker":
         return self.inner.masker(tokenizer_len, mask_id, special_ids, word_start)
 
