@@ -5,10 +5,16 @@ pairs, each candidate confirmed by its true Jaccard similarity (>= corpus.thresh
 components of the confirmed pairs, one survivor per component (the smallest doc_id, so the choice
 depends on neither worker count nor block order). The Ray steps, this module's orchestration:
 
-    sources --map_batches(ingest.read_files, ingest.fingerprint)--> docs          [materialized]
+    sources --map_batches(ingest.read_files, ingest.fingerprint_block)--> docs     [materialized, no text]
+                  (each block's documents, text included, written once to a staged Parquet file)
     docs    --stream(shard.rejected_rows)--> rejected.parquet, and the corpus's text bytes
-    docs    --dedup: band rows, shuffle 1 (buckets), driver, shuffle 2 (confirm)--> removals
-    docs    --map_batches(shard.split_rows).write_parquet--> train/, validation/
+    docs    --dedup: band rows, shuffle 1 (buckets), driver--> candidate pairs
+    staged  --dedup: shuffle 2 (the candidates' text only; confirm)--> removals
+    staged  --map_batches(shard.split_rows).write_parquet--> train/, validation/
+
+No pass holds the corpus's text in the object store: the materialized dataset is the fingerprints (ids, text
+hash, band keys: ~200 bytes a document), the shuffles move band rows and candidate documents, and the text of
+the kept documents streams from the staged files to the output a block at a time.
 
 Modules: `ingest` (listing and reading files, fingerprints), `minhash` (the numpy kernels),
 `dedup` (buckets, candidate graph, confirmation, components; its docstring says what bounds memory),
@@ -21,6 +27,7 @@ mtime_ns), `RawCorpus(sources)` carries that tuple, and the stage reads exactly 
 from __future__ import annotations
 
 import contextlib
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,11 +49,12 @@ if TYPE_CHECKING:
 
 __all__ = ["VERSION", "RawCorpus", "Source", "list_sources", "read_file", "doc_id", "is_validation", "run"]
 
-VERSION = "2"
+VERSION = "3"
 
 MAX_READ_TASKS = 4096
 BLOCK_BYTES = 12 << 20
 READ_TASK_BYTES = 256 << 20
+STAGED = ".staged"  # the documents, a Parquet file per fingerprinted block; removed before the artifact is complete
 Source = tuple[str, int, int]
 """(path, size in bytes, mtime_ns) of one input file."""
 
@@ -109,8 +117,9 @@ def _gather_table(ds, schema: pa.Schema) -> pa.Table:
     return pa.concat_tables([t.cast(schema) for t in tables if t.num_rows]) if tables else schema.empty_table()
 
 
-def _ingest(sources: Sequence[Source], cfg: CorpusConfig, fp: ingest.Fingerprinter, cpus: int):
-    """Read and fingerprint every file into a materialized dataset of documents and rejections."""
+def _ingest(sources: Sequence[Source], cfg: CorpusConfig, fp: ingest.Fingerprinter, cpus: int, stage: Path):
+    """Read and fingerprint every file into a materialized dataset of fingerprints and rejections (no text); the
+    documents themselves go to staged Parquet files under `stage`, one per block."""
     import ray
 
     # Files are grouped into read tasks (~READ_TASK_BYTES, at least two per CPU): a task per small
@@ -123,9 +132,18 @@ def _ingest(sources: Sequence[Source], cfg: CorpusConfig, fp: ingest.Fingerprint
     return (ray.data.from_items([{"path": p} for p, _, _ in sources], override_num_blocks=read_tasks)
             .map_batches(ingest.read_files, batch_size=1, batch_format="pyarrow", num_cpus=0.25, concurrency=min(cpus, read_tasks),
                          fn_kwargs={"opts": cfg, "batch_rows": cfg.batch_size})
-            .map_batches(ingest.fingerprint, batch_size=cfg.batch_size, batch_format="pyarrow", num_cpus=1,
-                         fn_kwargs={"fp": fp})
+            .map_batches(ingest.fingerprint_block, batch_size=None, batch_format="pyarrow", num_cpus=1,
+                         fn_kwargs={"fp": fp, "stage": str(stage), "batch_rows": cfg.batch_size})
             .materialize())
+
+
+def _staged(stage: Path, columns: Sequence[str]):
+    """The staged documents (`columns` of them) as a dataset read a file per task, never materialized."""
+    import ray
+
+    files = sorted(str(p) for p in stage.glob("*.parquet"))
+    return (ray.data.from_items([{"path": f} for f in files], override_num_blocks=max(len(files), 1))
+            .map_batches(ingest.read_staged, batch_size=1, batch_format="numpy", fn_kwargs={"columns": columns}))
 
 
 def _routed(batch: pa.Table, table: list) -> pa.Table:
@@ -165,7 +183,7 @@ def _buckets(docs, params: dedup.Params, readable: int, cpus: int, batch: int) -
     return {c: rows.get(c, empty.get(c, np.zeros(0, np.uint64))) for c in names}
 
 
-def _confirm(docs, nodes: dedup.Nodes, a: np.ndarray, b: np.ndarray, params: dedup.Params, cpus: int,
+def _confirm(texts, nodes: dedup.Nodes, a: np.ndarray, b: np.ndarray, params: dedup.Params, cpus: int,
              doc_bytes: float, batch: int) -> dedup.Near:
     """Shuffle 2: route candidate documents to their pairs' partitions, confirm every pair there."""
     import ray
@@ -176,14 +194,14 @@ def _confirm(docs, nodes: dedup.Nodes, a: np.ndarray, b: np.ndarray, params: ded
     count = np.bincount(routes.node, minlength=len(nodes.hi))
     table = [ray.put((nodes.hi, nodes.lo, first, count, routes.part))]
     pair_slots = [ray.put(slots) for slots in routes.pair_slots]
-    routed = docs.map_batches(_routed, batch_format="pyarrow", batch_size=batch, fn_kwargs={"table": table})
+    routed = texts.map_batches(_routed, batch_format="pyarrow", batch_size=batch, fn_kwargs={"table": table})
     pairs = _gather_table(routed.groupby("part", num_partitions=parts)
                           .map_groups(_confirmed, batch_format="pyarrow",
                                       fn_kwargs={"pair_slots": pair_slots, "params": params}), CONFIRM_SCHEMA)
     return dedup.resolve(nodes, pairs, routes.node, params.threshold)
 
 
-def _find_duplicates(docs, params: dedup.Params, readable: int, text_bytes: int, cpus: int, batch: int,
+def _find_duplicates(docs, texts, params: dedup.Params, readable: int, text_bytes: int, cpus: int, batch: int,
                      lap) -> Found:
     """Shuffle 1 (buckets), the candidate graph, shuffle 2 (confirm) and the components of confirmed pairs."""
     rows = _buckets(docs, params, readable, cpus, batch)
@@ -196,7 +214,7 @@ def _find_duplicates(docs, params: dedup.Params, readable: int, text_bytes: int,
     near = dedup.Near(dedup.EDGE_SCHEMA.empty_table(), dedup.NO_NEAR, (np.zeros(0, np.uint64),) * 2,
                       np.zeros(0), np.zeros(0, np.int64))
     if len(a):
-        near = _confirm(docs, nodes, a, b, params, cpus, text_bytes / max(readable, 1), batch)
+        near = _confirm(texts, nodes, a, b, params, cpus, text_bytes / max(readable, 1), batch)
     hi = np.concatenate([rows["b_hi"][ex], near.removed_ids[0]])
     lo = np.concatenate([rows["b_lo"][ex], near.removed_ids[1]])
     order = np.lexsort((lo, hi))
@@ -237,7 +255,9 @@ def _run(cfg: CorpusConfig, sources: Sequence[Source], out: Path) -> StageResult
     bands, rows = lsh_params(cfg.threshold, cfg.num_perm)
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
     fp = ingest.Fingerprinter(MinHasher(cfg.num_perm, cfg.seed, cfg.shingle, cfg.shingle_size), bands, rows)
-    docs = _ingest(sources, cfg, fp, cpus)
+    stage = out / STAGED
+    stage.mkdir()
+    docs = _ingest(sources, cfg, fp, cpus, stage)
     n_docs = docs.count()
     lap("ingest_s")
     n_rejected, text_bytes = shard.write_rejected(docs.map_batches(shard.rejected_rows, batch_format="pyarrow"),
@@ -245,9 +265,11 @@ def _run(cfg: CorpusConfig, sources: Sequence[Source], out: Path) -> StageResult
     if n_rejected == n_docs:
         shard.raise_no_documents(out, len(sources))
     lap("rejected_s")
-    found = _find_duplicates(docs, dedup.Params(bands, cfg.shingle, cfg.shingle_size, cfg.threshold),
+    texts = _staged(stage, ingest.STAGED_COLUMNS)
+    found = _find_duplicates(docs, texts, dedup.Params(bands, cfg.shingle, cfg.shingle_size, cfg.threshold),
                              n_docs - n_rejected, text_bytes, cpus, cfg.batch_size, lap)
-    n_split = shard.write_splits(docs, found.removed, cfg, out)
+    n_split = shard.write_splits(texts, found.removed, cfg, out)
+    shutil.rmtree(stage)
     shard.write_duplicates(out / "duplicates.parquet", found.exact, found.near.removed)
     shard.write_near_pairs(out / "near_pairs.parquet", found.near.edges)
     lap("write_s")
