@@ -48,6 +48,21 @@ def comma_ints(text: str) -> tuple[int, ...]:
 
 # ----------------------------------------------------------------------------------------------- output
 
+def command_line() -> str:
+    """How this bench was started, for a report's `command` field: `python -m bench.NAME ARGS`."""
+    import shlex
+
+    return shlex.join(["python", "-m", f"bench.{Path(sys.argv[0]).stem}", *sys.argv[1:]])
+
+
+def load_average() -> list[float]:
+    """The machine's 1, 5 and 15-minute load averages, for a report's `load_average` field (a shared machine's
+    timings mean little without it)."""
+    import os
+
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def emit(report: dict[str, Any], json_path: Path | None, table: str) -> None:
     """A bench's output: the JSON report (also written to `json_path` when given), then its table."""
     text = json.dumps(report, indent=2)

@@ -1,11 +1,15 @@
 """Benchmark: our `deberta` model vs HF `transformers` DeBERTa-v2, side by side, same config/batch/length.
 
-(a) backbone   forward + backward of `DebertaModel` vs `transformers.DebertaV2Model` (like for like:
+(a) backbone   forward + backward of `DebertaModel` vs `transformers.DebertaV2Model` (equal work:
                identical weights, loss = mean of squared last hidden states).
 (b) mlm        the MLM training step each library offers: ours = `DebertaForMaskedLM` (layers 1..L-1,
                Enhanced Mask Decoder on the targets only, LM head on the targets only) vs
                `transformers.DebertaV2ForMaskedLM(legacy=False)` (all L layers, no EMD, LM head at every
-               position). Same token ids and 15% targets. Not the same model: HF has no EMD.
+               position). Same token ids and 15% targets. Not the same work: HF has no EMD.
+(c) mlm_same   equal work on both sides: all L backbone layers, then each library's own LM head at the 15%
+               targets only, cross-entropy (ours: `DebertaModel` + `DebertaLMPredictionHead`; HF: the
+               `deberta` and `lm_predictions.lm_head` modules of the same `DebertaV2ForMaskedLM`), so the
+               ratio is the kernels', not the recipes'.
 
 Both run in training mode (dropout on), forward + backward, no optimizer step (identical for both).
 Timing: both libraries in one process, steps interleaved, fastest step reported (robust to load
@@ -15,8 +19,10 @@ steps, measured from after the model and inputs were built (so it counts activat
 allocator caches, not weights); on CUDA, `torch.cuda.max_memory_allocated` over the same span.
 
     python -m bench.model                                    # CPU fp32, base width, 2 layers
+    python -m bench.model --seq 128 --steps 3                # CPU-sized (bench/results/model.json)
     python -m bench.model --device cuda --dtype bf16 --like 1.5b --layers 8 --tokens 16384
-Prints one JSON object (also written to --json) and a table; never asserted in tests.
+Prints one JSON object (also written to --json, by default bench/results/model.json) and a table; never asserted
+in tests.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from pathlib import Path
 import torch
 
 from bench import memory
-from bench.common import emit, run_worker
+from bench.common import RESULTS, command_line, emit, load_average, run_worker
 from deberta import flops
 from deberta.config import DebertaConfig
 from deberta.masking import SpanMasker
@@ -39,6 +45,8 @@ from pipeline.presets import MODEL_1_5B, MODEL_BASE, MODEL_LARGE
 
 LIKE = {"base": MODEL_BASE, "large": MODEL_LARGE, "1.5b": MODEL_1_5B}
 """The pipeline presets' model shapes (`--like`)."""
+TASKS = ("backbone", "mlm", "mlm_same")
+"""(a), (b), (c) of the module docstring."""
 
 
 def like(name: str, **changes) -> DebertaConfig:
@@ -68,6 +76,8 @@ def _models(cfg: DebertaConfig, impl: str, task: str):
     torch.manual_seed(0)
     ours = DebertaModel(cfg) if task == "backbone" else DebertaForMaskedLM(cfg)
     model = ours if impl == "ours" else hf.to_transformers(ours)
+    if task == "mlm_same":
+        return model, _same_work_mlm_step(model, impl)
     if impl == "ours" and task == "backbone":
         def step(ids, mask, labels):
             return model(ids, mask)["last_hidden_state"].float().square().mean()
@@ -83,6 +93,23 @@ def _models(cfg: DebertaConfig, impl: str, task: str):
     return model, step
 
 
+def _same_work_mlm_step(model, impl: str):
+    """All L layers, then the library's LM head at the targets only; the backbone and head of `model`."""
+    import torch.nn.functional as F
+
+    backbone, head = model.deberta, model.lm_predictions.lm_head
+    word = backbone.embeddings.word_embeddings  # HF's head takes the module, ours its weight
+    word = word.weight if impl == "ours" else word
+
+    def step(ids, mask, labels):
+        if impl == "ours":
+            hidden = backbone(ids, mask)["last_hidden_state"]
+        else:
+            hidden = backbone(input_ids=ids, attention_mask=mask).last_hidden_state
+        targets = labels != -100
+        logits = head(hidden[targets], word)  # (M, H) -> (M, V)
+        return F.cross_entropy(logits.float(), labels[targets])
+    return step
 
 
 def _setup(args: argparse.Namespace, impl: str, task: str, seq: int):
@@ -128,7 +155,7 @@ def time_worker(spec: dict) -> list[dict]:
         device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
         peak = flops.peak_flops(device_name, args.dtype)
         if peak:
-            fl_task = task if impl == "ours" or task == "backbone" else "mlm_full_head"
+            fl_task = {"mlm_same": "backbone"}.get(task, task) if impl == "ours" or task != "mlm" else "mlm_full_head"
             r["mfu"] = flops.mfu(r["tokens_per_s"], flops.train_flops_per_token(cfg, seq, fl_task), peak)
         out.append(r)
     return out
@@ -147,7 +174,7 @@ def memory_worker(spec: dict) -> dict:
         base, peak = memory.reset_peak(), memory.peak_bytes
     for _ in range(2):
         _train_step(args, model, step, inputs)
-    return {"peak_mem_mb": (peak() - base) / 2**20}
+    return {"peak_mem_mib": (peak() - base) / 2**20}
 
 
 def run_all(args: argparse.Namespace) -> dict:
@@ -163,16 +190,25 @@ def run_all(args: argparse.Namespace) -> dict:
             results += rows
             print(f"  done {task:8s} seq={seq}", file=sys.stderr)
     cfg = build_config(args)
-    return {"config": cfg.to_dict(), "device": args.device, "dtype": args.dtype,
+    return {"command": command_line(), "load_average": load_average(), "config": cfg.to_dict(),
+            "device": args.device, "dtype": args.dtype,
             "threads": args.threads or torch.get_num_threads(), "tokens_per_step": args.tokens, "steps": args.steps,
             "timing": "fastest of the interleaved steps (median also given)",
             "memory": "CUDA max_memory_allocated growth" if args.device.startswith("cuda")
             else "peak RSS growth (VmHWM) over 2 steps, one process per library",
-            "results": results}
+            "results": results, "speedup": _speedups(results)}
+
+
+def _speedups(results: list[dict]) -> dict[str, float]:
+    """ours tokens/s over HF's, per "task/seq" (the ratio the table prints)."""
+    by = {(r["impl"], r["task"], r["seq"]): r["tokens_per_s"] for r in results}
+    return {f"{task}/{seq}": by[("ours", task, seq)] / by[("hf", task, seq)]
+            for impl, task, seq in by if impl == "ours" and ("hf", task, seq) in by}
 
 
 def table(report: dict) -> str:
-    rows = ["| task | seq | batch | ours tok/s | HF tok/s | speed-up | ours peak MB | HF peak MB | ours MFU | HF MFU |",
+    rows = ["| task | seq | batch | ours tok/s | HF tok/s | speed-up | ours peak MiB | HF peak MiB | ours MFU "
+            "| HF MFU |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     by = {(r["impl"], r["task"], r["seq"]): r for r in report["results"]}
     for (impl, task, seq), ours in by.items():
@@ -181,8 +217,8 @@ def table(report: dict) -> str:
         theirs = by[("hf", task, seq)]
         mfu = [f"{r['mfu']:.1%}" if "mfu" in r else "-" for r in (ours, theirs)]
         rows.append(f"| {task} | {seq} | {ours['batch']} | {ours['tokens_per_s']:.0f} | {theirs['tokens_per_s']:.0f} | "
-                    f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x | {ours['peak_mem_mb']:.0f} | "
-                    f"{theirs['peak_mem_mb']:.0f} | {mfu[0]} | {mfu[1]} |")
+                    f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x | {ours['peak_mem_mib']:.0f} | "
+                    f"{theirs['peak_mem_mib']:.0f} | {mfu[0]} | {mfu[1]} |")
     return "\n".join(rows)
 
 
@@ -193,13 +229,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=32_000, help="embedding rows (the full HF head scales with it)")
     p.add_argument("--seq", type=int, nargs="+", default=[128, 512])
     p.add_argument("--tokens", type=int, default=1024, help="tokens per step; batch = tokens // seq")
-    p.add_argument("--tasks", nargs="+", default=["backbone", "mlm"], choices=["backbone", "mlm"])
+    p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=RESULTS / "model.json", help="where the JSON report goes")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 

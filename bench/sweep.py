@@ -7,7 +7,8 @@ trial to the last epoch and once with ASHA (grace 1 epoch, reduction factor 2) c
 4, ... epochs. Reports trial-epochs spent, wall time, the best configuration of each and whether ASHA found
 the same one or one equally good (dev metric within --tolerance of the full grid's best). Without
 --pretrained it builds the tests' tiny real checkpoint (`bench.tiny_pretrained`: 2k SentencePiece pieces, debug()
-MLM, 200 steps on review + news text). Prints one JSON object (also written to --json), then a table.
+MLM, 200 steps on review + news text). Prints one JSON object (also written to --json, by default
+bench/results/sweep.json), then a table.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import comma_floats, comma_ints, emit
+from bench.common import RESULTS, command_line, load_average, comma_floats, comma_ints, emit
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -36,7 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrent", type=int, default=2)
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray (one per concurrent trial)")
     p.add_argument("--tolerance", type=float, default=0.005, help="dev-metric gap that still counts as equally good")
-    p.add_argument("--json", type=Path, help="also write the JSON report here")
+    p.add_argument("--json", type=Path, default=RESULTS / "sweep.json", help="where the JSON report goes")
     return p.parse_args(argv)
 
 
@@ -99,7 +100,8 @@ def main(argv=None) -> int:
     asha = one_sweep(args, "asha", setup, data, weights)
     metric = f"dev_{task.metric}"
     report = {
-        "task": task.name, "metric": metric, "majority_baseline": round(majority_baseline(task), 4),
+        "command": command_line(), "load_average": load_average(), "task": task.name, "metric": metric,
+        "majority_baseline": round(majority_baseline(task), 4),
         "train_examples": len(data[0]), "dev_examples": len(data[1]), "grid_trials": ft_sweep.grid_size(cfg),
         "max_epochs": cfg.epochs, "concurrent_trials": cfg.max_concurrent_trials, "full": full, "asha": asha,
         "same_best_config": full["best_config"] == asha["best_config"],

@@ -1,20 +1,26 @@
-"""Benchmark: one pretraining optimizer step on one GPU, the stage's DeepSpeed engine vs plain torch AMP.
+"""Benchmark: one pretraining optimizer step on one device, the stage's DeepSpeed engine vs plain torch.
 
 ours   the pipeline's engine (`training.engine.build`) with `training.deepspeed_config.build_deepspeed_config` for
-       the preset's ZeRO stage (world size 1, bf16 weights, fp32 master copy in DeepSpeed's optimizer wrapper),
-       client torch AdamW and linear schedule, DeepSpeed's gradient clipping.
-torch  what one writes without DeepSpeed: fp32 weights, `torch.autocast(bfloat16)`, fused torch AdamW,
-       `clip_grad_norm_`, a constant learning rate (the engine warms up in 1 step; a schedule costs nothing).
+       the preset's ZeRO stage (world size 1; on GPU bf16 weights with an fp32 master copy in DeepSpeed's
+       optimizer wrapper, on CPU fp32), client torch AdamW and linear schedule, DeepSpeed's gradient clipping.
+torch  the same engine's plain-torch path (`build` without a DeepSpeed config): fp32 weights, on GPU under
+       `torch.autocast(bfloat16)`, fused torch AdamW, `clip_grad_norm_`.
 
-Same model (`DebertaForMaskedLM`, EMD, LM head on the targets), same span-masked batch, same micro-batch.
+Both sides: the same seed and initial weights, the same AdamW, the same schedule (`--lr`, `--lr-warmup` steps of
+linear warmup from 0, then linear decay; each row lists the lr of every step) and the same span-masked batch
+and micro-batch. The precision policies are equal on CPU (fp32 both, so their losses agree step for step) and
+differ on GPU (bf16 weights against fp32 weights under bf16 autocast); each row names its policy
+(`precision`), and the table prints it beside the ratio.
+Same model (`DebertaForMaskedLM`, EMD, LM head on the targets).
 Each mode runs in its own process (peak memory does not mix). Reported: the median and fastest step of
 `--steps` timed steps after `--warmup`, tokens/s, MFU against the device's bf16 peak (deberta.flops),
 and peak allocated memory over the whole step (weights, optimizer state, gradients and activations).
 
     python -m bench.train_step --like 1.5b --micro 8 --zero 2 3        # the 1.5B model, on one GPU
-    python -m bench.train_step --like base --layers 4 --micro 4         # a smoke run
-Prints one JSON object (also written to --json) and a table. Meant for CUDA; `--device cpu` only checks that
-the code path runs (fp32, gloo), since the CPU step is measured by `bench.model`.
+    python -m bench.train_step --device cpu --like base --layers 2 --vocab 8000 --seq 128 --micro 4 --zero 2
+                                                                        # CPU-sized: bench/results/train_step.json
+Prints one JSON object (also written to --json, by default bench/results/train_step.json) and a table. Meant for
+CUDA; on CPU (fp32, gloo) it shows the code path and the two sides' agreement, not speed (`bench.model` has that).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import WorkerFailed, emit, run_worker
+from bench.common import RESULTS, WorkerFailed, command_line, emit, load_average, run_worker
 from bench.model import LIKE, like, make_inputs
 from deberta import flops
 from deberta.config import DebertaConfig
@@ -42,52 +48,67 @@ def build_config(args: argparse.Namespace) -> DebertaConfig:
     return like(args.like, **kw)
 
 
+def _pretrain_config(args: argparse.Namespace):
+    """The stage's config for this step: its AdamW settings, `--lr` with `--lr-warmup`, one worker."""
+    from core.config import PretrainConfig
+
+    return PretrainConfig(num_workers=1, use_gpu=args.device == "cuda", zero_stage=args.zero[0],
+                          micro_batch_size=args.micro, train_batch_size=args.micro, lr=args.lr,
+                          warmup_steps=args.lr_warmup, max_steps=10_000)
+
+
+def _optim_spec(pcfg):
+    from training.engine import OptimSpec
+
+    return OptimSpec(lr=pcfg.lr, warmup_steps=pcfg.warmup_steps, total_steps=pcfg.max_steps,
+                     weight_decay=pcfg.weight_decay, betas=(pcfg.adam_beta1, pcfg.adam_beta2), eps=pcfg.adam_eps,
+                     grad_clip=pcfg.grad_clip)
+
+
 def _deepspeed_step(args: argparse.Namespace, cfg: DebertaConfig):
     from training.deepspeed_config import build_deepspeed_config
-    from training.engine import OptimSpec, build
+    from training.engine import build
     from deberta.model import DebertaForMaskedLM, init_weights
-    from core.config import PretrainConfig
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(args.port))
     cuda = args.device == "cuda"
     if cuda:
         torch.cuda.set_device(0)
-    pcfg = PretrainConfig(num_workers=1, use_gpu=cuda, zero_stage=args.zero[0], micro_batch_size=args.micro,
-                          train_batch_size=args.micro, warmup_steps=1, max_steps=10_000)
-    spec = OptimSpec(lr=pcfg.lr, warmup_steps=pcfg.warmup_steps, total_steps=pcfg.max_steps,
-                     weight_decay=pcfg.weight_decay, betas=(pcfg.adam_beta1, pcfg.adam_beta2), eps=pcfg.adam_eps)
-    engine = build(lambda: DebertaForMaskedLM(cfg), spec, ds_config=build_deepspeed_config(pcfg, 1, use_gpu=cuda),
-                   backend="nccl" if cuda else "gloo", seed=pcfg.seed, init_module=lambda m: init_weights(m, cfg))
+    pcfg = _pretrain_config(args)
+    engine = build(lambda: DebertaForMaskedLM(cfg), _optim_spec(pcfg),
+                   ds_config=build_deepspeed_config(pcfg, 1, use_gpu=cuda), backend="nccl" if cuda else "gloo",
+                   seed=pcfg.seed, init_module=lambda m: init_weights(m, cfg))
+    engine.train()
+    precision = "bf16 weights, fp32 master copy" if cuda else "fp32"
 
     def step(ids, mask, labels):
+        lr = engine.lr  # the lr this step's update uses
         loss = engine(input_ids=ids, attention_mask=mask, labels=labels)["loss"]
         engine.backward(loss)
         engine.step()
-        return loss
-    return step
+        return loss, lr
+    return step, precision
 
 
 def _torch_step(args: argparse.Namespace, cfg: DebertaConfig):
+    from training.engine import build
     from deberta.model import DebertaForMaskedLM
-    from core.config import PretrainConfig
 
-    c = PretrainConfig()  # the same AdamW settings as the engine's
-    torch.manual_seed(c.seed)
+    pcfg = _pretrain_config(args)
     cuda = args.device == "cuda"
-    model = DebertaForMaskedLM(cfg).to(args.device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=c.lr, betas=(c.adam_beta1, c.adam_beta2), eps=c.adam_eps,
-                            weight_decay=c.weight_decay, fused=cuda)
+    engine = build(lambda: DebertaForMaskedLM(cfg), _optim_spec(pcfg), device=args.device, seed=pcfg.seed)
+    engine.train()
+    precision = "fp32 weights, bf16 autocast" if cuda else "fp32"
 
     def step(ids, mask, labels):
+        lr = engine.lr
         with torch.autocast(args.device, dtype=torch.bfloat16, enabled=cuda):
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels)["loss"]
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-    return step
+            loss = engine(input_ids=ids, attention_mask=mask, labels=labels)["loss"]
+        engine.backward(loss)
+        engine.step()  # clipping, AdamW, the schedule
+        return loss, lr
+    return step, precision
 
 
 def _profile(args: argparse.Namespace, step, inputs) -> None:
@@ -107,21 +128,22 @@ def _profile(args: argparse.Namespace, step, inputs) -> None:
 def worker(args: argparse.Namespace) -> dict:
     """One mode in this process: build, warm up, time; returns one result row."""
     cfg = build_config(args)
-    step = (_deepspeed_step if args.mode == "deepspeed" else _torch_step)(args, cfg)
+    step, precision = (_deepspeed_step if args.mode == "deepspeed" else _torch_step)(args, cfg)
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     inputs = make_inputs(cfg, args.micro, args.seq, args.device)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    losses, times = [], []
+    losses, lrs, times = [], [], []
     for i in range(args.warmup + args.steps):
         sync()
         t0 = time.perf_counter()
-        loss = step(*inputs)
+        loss, lr = step(*inputs)
         sync()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
         losses.append(float(loss))
+        lrs.append(lr)
     if args.profile:
         _profile(args, step, inputs)
     tokens = args.micro * args.seq
@@ -131,15 +153,15 @@ def worker(args: argparse.Namespace) -> dict:
     return {"mode": args.mode, "zero": args.zero[0] if args.mode == "deepspeed" else None,
             "step_s_median": med, "step_s_min": min(times),
             "tokens_per_s": tokens / med, "mfu": flops.mfu(tokens / med, fl, peak) if peak else None,
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "first_loss": losses[0],
-            "last_loss": losses[-1]}
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "precision": precision,
+            "first_loss": losses[0], "last_loss": losses[-1], "losses": losses, "lrs": lrs}
 
 
 def _spawn(args: argparse.Namespace, mode: str, zero: int) -> dict:
     """One mode's step in a process of its own (peak memory does not mix); a failure is a row of the report."""
     argv = ["--worker", "--mode", mode, "--zero", str(zero)]
-    for k in ("like", "layers", "vocab", "seq", "micro", "steps", "warmup", "port", "device"):
-        argv += [f"--{k}", str(getattr(args, k))]
+    for k in ("like", "layers", "vocab", "seq", "micro", "steps", "warmup", "port", "device", "lr", "lr_warmup"):
+        argv += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     if args.profile:
         argv += ["--profile", str(args.profile)]
     try:
@@ -149,15 +171,16 @@ def _spawn(args: argparse.Namespace, mode: str, zero: int) -> dict:
 
 
 def table(report: dict) -> str:
-    rows = ["| mode | ZeRO | step s (median) | tokens/s | MFU | peak GiB | loss first -> last |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| mode | ZeRO | precision | step s (median) | tokens/s | MFU | peak GiB | loss first -> last |",
+            "|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         if "error" in r:
-            rows.append(f"| {r['mode']} | failed: {r['error'].strip().splitlines()[-1][:80]} |||||")
+            rows.append(f"| {r['mode']} | failed: {r['error'].strip().splitlines()[-1][:80]} ||||||")
             continue
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
         mem = f"{r['peak_mem_gib']:.1f}" if r.get("peak_mem_gib") is not None else "-"
-        rows.append(f"| {r['mode']} | {r['zero'] if r['zero'] is not None else '-'} | {r['step_s_median']:.3f} | "
+        rows.append(f"| {r['mode']} | {r['zero'] if r['zero'] is not None else '-'} | {r['precision']} | "
+                    f"{r['step_s_median']:.3f} | "
                     f"{r['tokens_per_s']:,.0f} | {mfu} | {mem} | "
                     f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} |")
     ok = [r for r in report["results"] if "error" not in r]
@@ -165,9 +188,13 @@ def table(report: dict) -> str:
     rows.append("")
     for r in ok:
         if peer and r is not peer:
-            rows.append(f"DeepSpeed ZeRO-{r['zero']} / torch: throughput {r['tokens_per_s'] / peer['tokens_per_s']:.2f}x")
+            ratio = r["tokens_per_s"] / peer["tokens_per_s"]
+            rows.append(f"DeepSpeed ZeRO-{r['zero']} / torch: throughput {ratio:.2f}x")
             if peer["peak_mem_gib"]:
                 rows[-1] += f", peak memory {r['peak_mem_gib'] / peer['peak_mem_gib']:.2f}x"
+            same = r["precision"] == peer["precision"]
+            rows[-1] += (f"; same schedule, same precision ({r['precision']})" if same else
+                         f"; same schedule, different precision ({r['precision']} against {peer['precision']})")
     return "\n".join(rows)
 
 
@@ -182,10 +209,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--lr", type=float, default=2e-4, help="peak lr of both sides (DeBERTa Table 8's base lr)")
+    p.add_argument("--lr-warmup", type=int, default=1, help="linear warmup steps from lr 0, both sides")
     p.add_argument("--port", type=int, default=29531)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: a smoke run of the code path only (fp32, gloo; no MFU or memory figures)")
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=RESULTS / "train_step.json", help="where the JSON report goes")
     p.add_argument("--profile", type=Path, default=None, help="folder for a torch.profiler table per mode")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
@@ -203,11 +232,13 @@ def main(argv=None) -> None:
     with torch.device("meta"):
         from deberta.model import DebertaForMaskedLM
         params = sum(p.numel() for p in DebertaForMaskedLM(cfg).parameters())
-    report = {"config": cfg.to_dict(), "params": params, "seq": args.seq,
+    report = {"command": command_line(), "lr": args.lr, "lr_warmup": args.lr_warmup, "config": cfg.to_dict(),
+              "params": params, "seq": args.seq,
               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "micro_batch": args.micro, "tokens_per_step": args.seq * args.micro, "steps": args.steps,
               "flops_per_token": flops.train_flops_per_token(cfg, args.seq, "mlm"),
               "results": [_spawn(args, m, z) for m in args.modes for z in (args.zero if m == "deepspeed" else [0])]}
+    report["load_average"] = load_average()
     emit(report, args.json, table(report))
 
 

@@ -9,8 +9,8 @@ trial at a time on a local Ray of `--num-cpus` CPUs, through the finetune stage'
   deepspeed-2  two DeepSpeed workers, ZeRO-2, the CPUs split between them: data parallel over gloo
 Reports the sweep's wall time (Tune, Train and worker start-up included), the mean epoch time the trial
 measured itself, and the dev metric. On a machine of 2 cores this shows overhead, not scaling: the point of
-DeepSpeed trials is models that one device cannot fine-tune. Prints one JSON object (also written to --json), then
-a table.
+DeepSpeed trials is models that one device cannot fine-tune. Prints one JSON object (also written to --json, by default
+bench/results/trials.json), then a table.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import emit
+from bench.common import RESULTS, command_line, emit, load_average
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,7 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-train-examples", type=int, default=2000)
     p.add_argument("--max-seq-len", type=int, default=64)
     p.add_argument("--num-cpus", type=int, default=2)
-    p.add_argument("--json", type=Path, help="also write the JSON report here")
+    p.add_argument("--json", type=Path, default=RESULTS / "trials.json", help="where the JSON report goes")
     return p.parse_args(argv)
 
 
@@ -86,7 +86,8 @@ def main(argv=None) -> int:
                       "final_train_loss": round(float(hist["train_loss"].iloc[-1]), 4), **layout}
     ray.shutdown()
     ref = rows["torch"]
-    report = {"task": task.name, "train_examples": len(data[0]), "dev_examples": len(data[1]),
+    report = {"command": command_line(), "load_average": load_average(), "task": task.name,
+              "train_examples": len(data[0]), "dev_examples": len(data[1]),
               "epochs": args.epochs, "batch_size": args.batch_size, "cpus": args.num_cpus, "layouts": rows,
               "epoch_time_vs_torch": {k: round(r["epoch_s"] / ref["epoch_s"], 2) for k, r in rows.items()}}
     lines = [f"{'layout':<13}{'wall s':>8}{'epoch s':>9}{'vs torch':>10}{metric:>16}{'train loss':>12}"]

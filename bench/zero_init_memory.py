@@ -14,8 +14,10 @@ each phase starts trimmed, so its rise is its own:
     .venv/bin/python -m bench.zero_init_memory --hidden 1024 --layers 14 --vocab 128100 --phases 1
     .venv/bin/python -m bench.zero_init_memory --hidden 1536 --layers 10 --vocab 8000 --like 1.5b --lean --seq 16
 
-The figures in `construct`'s docstring come from these. For a before/after comparison, run this file from an
-exported older tree (`git archive <rev> cluster deberta pipeline bench | tar -x -C DIR`, copy it in, run in DIR).
+Prints each rank's report as JSON, then a table; the reports, with the command, go to --json (by default
+bench/results/zero_init_memory.json). The figures in `construct`'s docstring come from these. For a before/after
+comparison, run this file from an exported older tree (`git archive <rev> cluster deberta pipeline bench | tar -x -C
+DIR`, copy it in, run in DIR).
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from bench import memory
-from bench.common import REPO
+from bench.common import REPO, RESULTS, command_line, emit, load_average
 MIB = 1 << 20
 LEAN = {"reduce_bucket_size": 10**7, "stage3_prefetch_bucket_size": 10**7, "sub_group_size": 10**7,
         "stage3_max_live_parameters": 10**7, "stage3_max_reuse_distance": 10**7}
@@ -146,18 +149,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PHASES = ("construct", "engine", "forward", "backward", "step")
+
+
+def table(report: dict) -> str:
+    rows = ["| rank | phase | start MiB | peak rise MiB | after MiB | after trim MiB | s |",
+            "|---|---|---|---|---|---|---|"]
+    for r in report["ranks"]:
+        for ph in PHASES:
+            if ph in r:
+                x = r[ph]
+                rows.append(f"| {r['rank']} | {ph} | {x['start']} | {x['peak_rise']} | {x['after']} | "
+                            f"{x['after_trim']} | {x['seconds']} |")
+    return "\n".join(rows)
+
+
 def launch(args: argparse.Namespace, argv: list[str]) -> None:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(args.world),
            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     procs = [subprocess.Popen([sys.executable, "-m", "bench.zero_init_memory", "--worker", *argv], cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(args.world)]
+    ranks = []
     for p in procs:
         out = p.communicate()[0]
         lines = [line[7:] for line in out.splitlines() if line.startswith("REPORT ")]
         if p.returncode or not lines:
             sys.exit(out[-4000:])
-        print(lines[0])
+        ranks.append(json.loads(lines[0]))
+    report = {"command": command_line(), "load_average": load_average(), "mib": "MiB = 2^20 bytes of resident memory",
+              **{k: v for k, v in vars(args).items() if k not in ("worker", "json")}, "ranks": ranks}
+    emit(report, args.json, table(report))
 
 
 def main() -> None:
@@ -171,8 +193,12 @@ def main() -> None:
     ap.add_argument("--lean", action="store_true", help="small DeepSpeed buffers (LEAN)")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--phases", type=int, default=3, help="1: construct; 2: + engine; 3: + one step")
+    ap.add_argument("--json", type=Path, default=RESULTS / "zero_init_memory.json", help="where the JSON report goes")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     argv = [a for a in sys.argv[1:] if a != "--worker"]
+    if "--json" in argv:  # the launcher's option only
+        i = argv.index("--json")
+        del argv[i:i + 2]
     args = ap.parse_args()
     worker(args) if args.worker else launch(args, argv)
 
