@@ -1,0 +1,180 @@
+"""Continued pretraining from a released checkpoint, through `python -m pipeline.run` against a real `mlflow server`:
+a directory written by plain `transformers` (tests/released.py) continued on another real corpus (news articles),
+for MLM and for RTD (a given generator, a derived one), and a registry version as `pretrain.init`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.released import released, spm_model
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+TINY = ["--set", "tokenize.max_seq_len=64", "--set", "pretrain.warmup_steps=2", "--set", "pretrain.lr=1e-3",
+        "--set", "pretrain.eval_batches=2", "--set", "pretrain.log_interval=4"]
+
+
+def pipeline(args: list[str], uri: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    res = subprocess.run([sys.executable, "-m", "pipeline.run", *args], cwd=REPO, capture_output=True, text=True,
+                         env=dict(os.environ, MLFLOW_TRACKING_URI=uri), timeout=timeout)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    return res
+
+
+def steps(n: int) -> list[str]:
+    return [*TINY, "--set", f"pretrain.max_steps={n}", "--set", f"pretrain.eval_interval={n // 2}",
+            "--set", f"pretrain.ckpt_interval={n // 2}"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """Released directories sharing one real-text tokenizer: an MLM, a bare DebertaV2Model, a 1-layer generator."""
+    root = tmp_path_factory.mktemp("released")
+    spm_model(root)
+    return {"mlm": released(root, "mlm"), "model": released(root, "model", seed=1),
+            "generator": released(root, "mlm", layers=1, seed=2)}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("continue-wd")
+
+
+@pytest.fixture(scope="module")
+def mlm_run(checkpoints, news_subset, workdir, mlflow_server):
+    """The MLM checkpoint continued on 300 news articles for 12 steps, then fine-tuned (one trial)."""
+    args = ["--corpus", str(news_subset(300)), "--workdir", str(workdir), "--set",
+            f"pretrain.init={checkpoints['mlm']}", *steps(12),
+            "--set", "finetune.lr=1e-3", "--set", "finetune.dropout=0.0", "--set", "finetune.warmup_steps=5",
+            "--set", "finetune.epochs=1", "--set", "finetune.max_train_examples=300", "--set", "finetune.batch_size=32",
+            "--set", "finetune.max_seq_len=64", "--set", "finetune.max_concurrent_trials=1"]
+    res = pipeline(args, mlflow_server)
+    arts = {m.group(1): Path(m.group(2)) for m in re.finditer(r"^  (\w+) +\w+  \(ran\)  (\S+)$", res.stdout, re.M)}
+    version = re.search(r"registered deberta-debug-pretrained: version (\d+)", res.stdout).group(1)
+    return res, arts, version
+
+
+def released_loss(checkpoint: Path, arts: dict[str, Path]) -> float:
+    """The validation MLM loss `transformers` computes for the checkpoint on the stage's step-0 masked batches."""
+    import torch
+    from transformers import DebertaV2ForMaskedLM
+
+    from core.config import PretrainConfig
+    from core.tokenizer import Tokenizer
+    from deberta.config import DebertaConfig
+    from stages.pretrain import _loop_job, objective_for, token_shards
+    from stages.pretrain.loop import EVAL_MASK_OFFSET, validation_batches
+
+    manifest = json.loads((arts["pretrain"] / "manifest.json").read_text())
+    cfg, model = PretrainConfig(**manifest["config"]["pretrain"]), DebertaConfig(**manifest["config"]["model"])
+    train, _, seq_len = token_shards(type("A", (), {"path": arts["tokenize"]}), "train")
+    val, _, _ = token_shards(type("A", (), {"path": arts["tokenize"]}), "validation")
+    job = _loop_job(cfg, model, None, seq_len, train, val, Tokenizer.load(arts["vocab"]), None, objective_for(cfg))
+    masker, hf = job.masker(), DebertaV2ForMaskedLM.from_pretrained(checkpoint).eval()
+    total = count = 0.0
+    with torch.no_grad():
+        for rank in range(cfg.num_workers):
+            for i, batch in enumerate(validation_batches(job, rank, cfg.num_workers)):
+                ids = batch["input_ids"]
+                masked, labels = masker(ids, step=EVAL_MASK_OFFSET + i * cfg.num_workers + rank)
+                n = float((labels != -100).sum())
+                total += float(hf(input_ids=masked, attention_mask=(ids != 0).long(), labels=labels).loss) * n
+                count += n
+    return total / count
+
+
+def test_mlm_continues_the_released_checkpoint(checkpoints, mlm_run, mlflow_server):
+    """Weights, head and tokenizer all taken (the step-0 loss equals transformers' own on the same masked batches),
+    the validation loss falls, hf/ loads in transformers, and the champion traces back to corpus and checkpoint."""
+    import mlflow
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    res, arts, version = mlm_run
+    assert "(the tokenizer of pretrain.init)" in res.stdout and "lm_head loaded" in res.stdout
+    vocab = arts["vocab"]
+    assert (vocab / "spm.model").read_bytes() == (checkpoints["mlm"] / "spm.model").read_bytes()
+    theirs = AutoTokenizer.from_pretrained(checkpoints["mlm"])
+    assert json.loads((vocab / "special_tokens.json").read_text()) == {
+        t: theirs.convert_tokens_to_ids(t) for t in ("[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]")}
+    metrics = json.loads((arts["pretrain"] / "metrics.json").read_text())
+    assert metrics["val_loss_released"] == pytest.approx(released_loss(checkpoints["mlm"], arts), abs=1e-4)
+    assert metrics["val_loss"] < metrics["initial_val_loss"] - 0.05, metrics
+    AutoModelForMaskedLM.from_pretrained(arts["pretrain"] / "hf")
+    client = mlflow.MlflowClient(mlflow_server)
+    pretrained = client.get_model_version("deberta-debug-pretrained", version).tags
+    assert pretrained["init.source"] == str(checkpoints["mlm"]) and pretrained["init.lm_head"] == "loaded"
+    assert pretrained["corpus"] == arts["corpus"].name
+    champion = client.get_model_version_by_alias("deberta-debug-rotten-tomatoes", "champion")
+    assert champion.tags["pretrain"] == arts["pretrain"].name == pretrained["pretrain"]
+
+
+def test_rtd_from_a_bare_model_and_its_generator(checkpoints, news_subset, workdir, mlflow_server):
+    res = pipeline(["--corpus", str(news_subset(300)), "--workdir", str(workdir), "--set", "pretrain.objective=rtd",
+                    "--set", f"pretrain.init={checkpoints['model']}",
+                    "--set", f"pretrain.generator_init={checkpoints['generator']}", *steps(4),
+                    "--until", "pretrain"], mlflow_server)
+    line = next(ln for ln in res.stdout.splitlines() if "[pretrain] continuing from" in ln)
+    assert f"generator loaded from {checkpoints['generator']}" in line and "rtd_head new" in line, line
+    assert line.endswith("embeddings gdes: E_G the generator's table, E_delta = E_D - E_G"), line
+
+
+def test_rtd_from_a_registry_version_derives_its_generator(mlm_run, news_subset, workdir, mlflow_server):
+    _, _, version = mlm_run
+    uri = f"models:/deberta-debug-pretrained/{version}"
+    res = pipeline(["--corpus", str(news_subset(300)), "--workdir", str(workdir), "--set", "pretrain.objective=rtd",
+                    "--set", f"pretrain.init={uri}", *steps(4), "--until", "pretrain"], mlflow_server)
+    line = next(ln for ln in res.stdout.splitlines() if "[pretrain] continuing from" in ln)
+    assert line.split("continuing from ")[1].startswith(uri) and "generator derived" in line, line
+    assert line.endswith("E_delta = E_D - E_G = 0"), line
+
+
+# ------------------------------------------------------------------------------------------------------ refusals
+
+def _wide_generator(checkpoints, tmp):
+    from transformers import DebertaV2ForMaskedLM
+
+    from tests.released import hf_config, save_released
+
+    return ["--set", "pretrain.objective=rtd", "--set", f"pretrain.init={checkpoints['model']}", "--set",
+            "pretrain.generator_init=" + str(save_released(tmp / "wide", DebertaV2ForMaskedLM(
+                hf_config(700, layers=1, hidden=96)), checkpoints["mlm"] / "spm.model"))]
+
+
+def _long_tokenizer(checkpoints, tmp):
+    import shutil
+
+    shutil.copytree(checkpoints["mlm"], tmp / "short")
+    config = json.loads((tmp / "short" / "config.json").read_text())
+    (tmp / "short" / "config.json").write_text(json.dumps({**config, "vocab_size": 300}))
+    return ["--set", f"pretrain.init={tmp / 'short'}"]
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda c, tmp: ["--set", f"pretrain.init={tmp}"], "pretrain.init=%s: not a DeBERTa-v2/v3 model"),
+    (_long_tokenizer, "the tokenizer has 601 ids but config.vocab_size=300"),
+    (_wide_generator, "its hidden_size=96 (discriminator: 64), intermediate_size=384 (discriminator: 256): a generator"),
+    (lambda c, tmp: ["--set", "pretrain.init=models:/deberta-debug-pretrained/999"], "pretrain.init=models:/"),
+    (lambda c, tmp: ["--set", f"pretrain.init={c['mlm']}", "--set", "model.hidden_size=128"],
+     "model.hidden_size=128 (config.json: 64) contradicts pretrain.init="),
+    (lambda c, tmp: ["--preset", "deberta-v3-base-continue"], "preset deberta-v3-base-continue continues"),
+], ids=["not-deberta", "tokenizer-longer-than-rows", "generator-width", "unknown-version", "shape-override",
+        "continue-preset-without-init"])
+def test_bad_init_is_one_message_before_ray(make, fragment, checkpoints, tmp_path, capsys):
+    from pipeline.run import main
+
+    args = make(checkpoints, tmp_path)
+    capsys.readouterr()  # what making the input printed
+    assert main([*args, "--workdir", str(tmp_path / "wd")]) == 2
+    out, err = capsys.readouterr()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment.replace("%s", str(tmp_path)) in lines[0], err
+    assert "plan:" not in out and not (tmp_path / "wd" / "artifacts").exists()
