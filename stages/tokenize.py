@@ -371,10 +371,13 @@ def run(cfg: TokenizeConfig, *, inputs: dict[str, Artifact], out: Path, ctx: Sta
                "tokenizer_length": len(tok), "splits": {}}  # nothing machine-dependent: same inputs, same bytes
     staged = out / STAGING
     staged.mkdir()
+    clock = time.perf_counter()
     packed = tokenize_splits(corpus_files, tok, cfg, workers, staged)
     (staged / "validation").rename(out / "validation")
+    pack_s, clock = time.perf_counter() - clock, time.perf_counter()
     train = shuffle_train([s for s in packed if s["split"] == "train"], staged, out, cfg)
     shutil.rmtree(staged)
+    shuffle_s = time.perf_counter() - clock
     shards = train + [s for s in packed if s["split"] == "validation"]
     for split in SPLITS:
         mine = [s for s in shards if s["split"] == split]
@@ -388,7 +391,7 @@ def run(cfg: TokenizeConfig, *, inputs: dict[str, Artifact], out: Path, ctx: Sta
     return StageResult(
         metrics={"train_padding_share": train["padding"] / max(train["sequences"] * cfg.max_seq_len, 1),
                  "train_tokens_per_document": train["tokens"] / max(train["documents"], 1),
-                 "num_workers": workers,
+                 "num_workers": workers, "time_pack_s": round(pack_s, 3), "time_shuffle_s": round(shuffle_s, 3),
                  # CPU time stays out of tokens.json (it would change the artifact's bytes from run to run)
                  "tokens_per_actor_cpu_second": sum(int(s["tokens"]) for s in packed)
                  / max(sum(float(s["cpu_seconds"]) for s in packed), 1e-9)},
