@@ -120,3 +120,59 @@ def test_a_generator_of_another_width_is_refused(root):
                          root / "spm.model")
     with pytest.raises(ValueError, match=r"hidden_size=96 \(discriminator: 64\).*width and vocabulary"):
         continue_from.check_generator(continue_from.read(wide).config, disc.config, wide, disc.source)
+
+
+ZERO3_WORKER = """
+import json, os, sys
+import torch
+import deepspeed
+from core.config import PretrainConfig
+from deberta.config import DebertaConfig
+from stages.pretrain import objective_for
+from stages.pretrain.loop import SafetensorsFile, optim_spec
+from training.deepspeed_config import build_deepspeed_config
+from training.engine import build
+
+cfg = PretrainConfig(objective="rtd", generator_layers=1, zero_stage=3, num_workers=2, micro_batch_size=1,
+                     train_batch_size=2, max_steps=1, warmup_steps=0)
+model = DebertaConfig(**json.loads(os.environ["MODEL"]))
+factory, init_module = objective_for(cfg).build_model(model)
+start = SafetensorsFile(os.environ["WEIGHTS"])
+engine = build(factory, optim_spec(cfg), ds_config=build_deepspeed_config(cfg, 2, False), backend="gloo", seed=0,
+               init_module=init_module, weights=start)
+checked, wrong = 0, []
+for name, p in engine.module.named_parameters():
+    with deepspeed.zero.GatheredParameters([p]):
+        if name in start:
+            checked += 1
+            if not torch.equal(p.detach().cpu(), start[name]):
+                wrong.append(name)
+if int(os.environ["RANK"]) == 0:
+    print("RESULT " + json.dumps({"checked": checked, "wrong": wrong, "file": len(start)}))
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_zero3_builds_the_continued_model_from_the_starting_weights(root, tmp_path):
+    """Under ZeRO-3 (2 gloo ranks) every module copies its own tensors from the stage's safetensors file while it is
+    built (`stages.pretrain.initial_weights`, `training.engine.construct`): gathered back, each parameter the file
+    holds equals it - the discriminator, the given generator, and GDES's E_delta = E_D - E_G."""
+    import dataclasses
+    import json
+
+    from conftest import run_gloo_ranks
+    from core.config import PretrainConfig
+    from core.init_checkpoint import resolve_checkpoint
+    from stages.pretrain import initial_weights, objective_for
+
+    disc_dir, gen_dir = released(root, "model", layers=2, seed=2), released(root, "mlm", layers=1, seed=3)
+    inputs = {"init": resolve_checkpoint(str(disc_dir), key="pretrain.init"),
+              "generator_init": resolve_checkpoint(str(gen_dir), key="pretrain.generator_init")}
+    model = inputs["init"].config()
+    objective = objective_for(PretrainConfig(objective="rtd", generator_layers=1))
+    path, notes = initial_weights(objective, model, inputs, tmp_path / "scratch")
+    assert notes["generator"].startswith("loaded")
+    logs = run_gloo_ranks(ZERO3_WORKER, tmp_path, {"WEIGHTS": path, "MODEL": json.dumps(dataclasses.asdict(model))})
+    result = json.loads(next(ln for ln in logs[0].splitlines() if ln.startswith("RESULT "))[7:])
+    assert result["wrong"] == [] and result["checked"] == result["file"], result
