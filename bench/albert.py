@@ -30,7 +30,7 @@ ZeRO-3 on 16 nodes x 8 GPUs, as `stages/pretrain/__init__.py`'s dry run computes
 Fine-tuning: each backbone on rotten-tomatoes with `stages.finetune.trial` (`trial_engine`, `run_epochs`) at one
 grid point x `--seeds`; a trial's score is its best epoch's dev accuracy; mean and sample std over seeds.
 Jobs run in `--procs` spawned processes of `--threads` torch threads (`bench.common.process_pool`).
-Prints one JSON object (also written to `--json PATH`), then the markdown table.
+Prints one JSON object (also written to `--json PATH`, by default bench/results/albert.json), then the markdown table.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import comma_choices, comma_floats, comma_ints, emit, process_pool
+from bench.common import RESULTS, comma_choices, comma_floats, comma_ints, emit, process_pool
 from bench.objectives import (backbone_weights, find_artifacts, finetune_job, finetune_setup, load_sequences,
                               model_config, summarise_finetune)
 from stages.segment_pairs import NO_PAIR
@@ -84,7 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also validate every N pretraining steps (a learning curve in the JSON); 0 = at the end only")
     p.add_argument("--procs", type=int, default=2, help="worker processes")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker process")
-    p.add_argument("--json", type=Path, help="also write the JSON report here")
+    p.add_argument("--json", type=Path, default=RESULTS / "albert.json", help="where the JSON report goes")
     args = p.parse_args(argv)
     for name in ("steps", "batch", "eval_batches", "ft_epochs", "ft_examples", "procs", "threads",
                  "debug_embedding"):

@@ -28,7 +28,8 @@ E_D (ES: 1 by construction), which is not Table 1's number.
 
 Jobs run in `--procs` processes of `--threads` torch threads each (2 x 1 is the fastest on 2 cores for a model this
 small); wall times are measured inside each process, CPU times beside them (less sensitive to a shared machine).
-Prints one JSON object (also written to `--json PATH`), then the tables in markdown.
+Prints one JSON object (also written to `--json PATH`, by default bench/results/objectives.json), then the tables in
+markdown.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import comma_choices, comma_floats, comma_ints, emit, process_pool
+from bench.common import RESULTS, comma_choices, comma_floats, comma_ints, emit, process_pool
 
 OBJECTIVES = ("none", "mlm", "gdes", "es", "nes")
 """none: no pretraining (the initial backbone); mlm: DeBERTa's MLM; gdes/es/nes: RTD with that embedding sharing."""
@@ -77,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cos-min-count", type=int, default=20, help="occurrences in the train split a piece needs")
     p.add_argument("--procs", type=int, default=2, help="worker processes")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker process")
-    p.add_argument("--json", type=Path, help="also write the JSON report here")
+    p.add_argument("--json", type=Path, default=RESULTS / "objectives.json", help="where the JSON report goes")
     args = p.parse_args(argv)
     for name in ("steps", "batch", "eval_batches", "log_every", "ft_epochs", "ft_examples", "cos_samples",
                  "procs", "threads"):
