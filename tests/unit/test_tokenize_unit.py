@@ -88,3 +88,39 @@ def test_shard_writes_whole_row_groups_whatever_the_batches(tmp_path):
     sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
     assert sequences == 40 * 65 == sum(sizes) and sizes[:-1] == [ROW_GROUP_ROWS] * (len(sizes) - 1)
     assert tokens == int(pq.read_table(tmp_path / name).column("length").to_numpy().sum())
+
+
+def test_two_pass_shuffle_is_a_seeded_permutation_of_every_sequence(tmp_path):
+    """Pass 1 (StagedWriter: random keys, sorted) and pass 2 (write_bucket: key ranges merged) on staged shards of
+    uneven sizes: every sequence lands in exactly one output shard, the shards' concatenation is sorted by key (a
+    uniform permutation: independent of the staged order), and the same seed gives the same files."""
+    from stages.tokenize import KEY, StagedWriter, bucket_bounds, read_staged, write_bucket
+    from tests.data_order import mixing_deviation
+
+    def shuffled(root, seed: int) -> list[int]:
+        (root / "train").mkdir(parents=True)
+        staged = []
+        for unit, n in enumerate((700, 1300, 5, 0, 1000)):  # sequence i: input_ids [i, i], length 2
+            start = sum((700, 1300, 5, 0, 1000)[:unit])
+            ids = np.repeat(np.arange(start, start + n, dtype=np.uint32), 2).reshape(-1, 2)
+            if n:
+                writer = StagedWriter(root, f"train/part-{unit:05d}-000.arrow", (seed, unit, 0), 0.0)
+                writer.add(to_table(ids, np.full(n, 2, np.int32), [f"d{unit}"] * n))
+                assert writer.close()[1:3] == (n, 2 * n)
+                keys = read_staged(str(root / f"train/part-{unit:05d}-000.arrow")).column(KEY).to_numpy()
+                assert (np.diff(keys.astype(np.float64)) >= 0).all()  # written sorted by key
+                staged.append(str(root / f"train/part-{unit:05d}-000.arrow"))
+        buckets = 3
+        out = write_bucket({"bucket": np.arange(buckets)}, staged, buckets, str(root))
+        assert out["file"] == [f"train/part-{b:05d}.parquet" for b in range(buckets)]
+        tables = [pq.read_table(root / f) for f in out["file"]]
+        assert [t.num_rows for t in tables] == out["sequences"] and all(t.num_rows > 700 for t in tables)
+        assert all(t.column_names == ["input_ids", "length", "doc_id"] for t in tables)
+        return [row[0] for t in tables for row in t.column("input_ids").to_pylist()]
+
+    order = shuffled(tmp_path / "a", seed=5)
+    assert sorted(order) == list(range(3005))  # every sequence exactly once
+    assert order == shuffled(tmp_path / "b", seed=5) and order != shuffled(tmp_path / "c", seed=6)
+    units = np.digitize(order, [700, 2000, 2005])  # which staged shard each came from
+    assert mixing_deviation(units) < 15 and mixing_deviation(np.sort(units)) > 40  # binomial noise: ~4 points a window
+    assert bucket_bounds(0, 3)[0] == 0 and bucket_bounds(2, 3)[1] == 1 << 64
