@@ -180,11 +180,11 @@ def verify_inputs(plan: list[PlannedStage], store: ArtifactStore, digests: bool)
 
 def execute(cfg: PipelineConfig, plan: list[PlannedStage], objects: dict[str, Any],
             store: ArtifactStore, workdir: Path) -> Outcome:
+    if any(not s.cached for s in plan):  # before any MLflow run exists: a cluster too small leaves none behind
+        _connect_ray(cfg, [s.spec.name for s in plan if not s.cached])
     lineage = Lineage(workdir)
     parent = lineage.start(f"pipeline-{cfg.preset}", cfg.to_dict(), [s.spec.name for s in plan])
     outcome = Outcome(tracking_uri=lineage.tracking_uri, parent_run_id=parent.run_id)
-    if any(not s.cached for s in plan):
-        _connect_ray(cfg, [s.spec.name for s in plan if not s.cached])
     for st in plan:
         if st.forced:
             gone = discard_resumable_state(st, store, storage_path(cfg, workdir))

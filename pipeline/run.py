@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -86,14 +87,13 @@ def resolve_config(args: argparse.Namespace) -> PipelineConfig:
 
 
 def check_workdir(workdir: Path) -> Path:
+    """The workdir, absolute, checked writable without creating it: a run that stops at bad input leaves no
+    directory behind (`main` removes one it created)."""
     workdir = workdir.expanduser().resolve()
-    try:
-        workdir.mkdir(parents=True, exist_ok=True)
-        probe = workdir / f".write-test-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise UserError(f"workdir {workdir} is not writable ({e.strerror}); pass --workdir DIR you can write to") from None
+    existing = next(p for p in (workdir, *workdir.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        why = "is not a directory" if not existing.is_dir() else "is not writable"
+        raise UserError(f"workdir {workdir} cannot be created: {existing} {why}; pass --workdir DIR you can write to")
     return workdir
 
 
@@ -166,9 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.executor import RunConflict
 
     args = build_parser().parse_args(argv)
+    workdir = args.workdir.expanduser().resolve()
+    fresh = not workdir.exists()
     try:
-        return _main(args)
+        rc = _main(args)
+        if args.dry_run and fresh and workdir.is_dir():  # a plan on paper writes nothing either
+            shutil.rmtree(workdir, ignore_errors=True)
+        return rc
     except (UserError, ConfigError, RunConflict, LockHeld) as e:
+        if fresh and workdir.is_dir():  # refused before any stage ran: what this run created (a download of a
+            shutil.rmtree(workdir, ignore_errors=True)  # registry version, the built-in corpus) goes with it
         print(f"error: {e}", file=sys.stderr)
         return 2
 
