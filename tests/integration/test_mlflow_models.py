@@ -1,7 +1,8 @@
 """Registry versions are MLflow Models: tiny exports logged as core/hf_pyfunc.py models on a real `mlflow server`,
-registered with an alias, loaded back by `mlflow.pyfunc.load_model("models:/<name>@<alias>")`, served once by
-`mlflow models serve --env-manager local`, and fine-tuned from (`finetune.init=models:/...`, up to the plan). Run
-inside the loopback-only namespace: nothing can reach a hub.
+registered with an alias, loaded back by `mlflow.pyfunc.load_model("models:/<name>@<alias>")` and served once by
+`mlflow models serve --env-manager local`; a bad `finetune.init=models:/...` is one message. Run inside the
+loopback-only namespace: nothing can reach a hub. (Fine-tuning from a version the pretrain stage registered runs
+through `python -m pipeline.run` in tests/integration/test_pipeline_cli.py.)
 
 The vocabulary is real (the vocab stage's trainer on real news text); the model weights are random (a trained model
 is not needed to check that what the registry serves is exactly what we exported).
@@ -9,14 +10,11 @@ is not needed to check that what the registry serves is exactly what we exported
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
+import mlflow
 import numpy as np
 import pandas as pd
 import pytest
@@ -29,10 +27,7 @@ from core.config import VocabConfig
 from core.lineage import EXPERIMENT_KIND, TAG_EXPERIMENT_KIND, Lineage
 from core.tokenizer import MODEL_FILE, SPECIAL_FILE, Tokenizer
 from stages.vocab import train_model
-from tests.integration.mlflow_serve import serve_once
-
-pytest.importorskip("transformers")
-mlflow = pytest.importorskip("mlflow")
+from tests.integration.mlflow_serve import fill_mask_reference, serve_once
 
 ROWS = 1_100  # 1,000 pieces + [MASK], padded as padded_vocab_size does
 LABELS = ("rotten", "fresh")
@@ -41,6 +36,8 @@ REVIEWS = ["A warm, funny and beautifully acted film.", "Dull, overlong and badl
 PAIRS = pd.DataFrame({"sentence1": ["A man is playing a guitar.", "Stocks fell sharply on Monday."],
                       "sentence2": ["Someone plays music.", "Markets rose in early trading."]})
 REPO = Path(__file__).resolve().parents[2]
+SERVING_RECORDS = [{"sentence1": "A man is playing a guitar.", "sentence2": "Someone plays music."}]
+"""docs/serving.md's `dataframe_records` example (test_serving_records_are_the_docs_example keeps the two equal)."""
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +143,10 @@ def test_pyfunc_predicts_what_we_exported(mlflow_server, registered, vocab_dir, 
 
     masked = ["The president of the United [MASK] said.", "It rained on [MASK]."]
     filled = mlflow.pyfunc.load_model("models:/deberta-debug-mlm@champion").predict(pd.DataFrame({"text": masked}))
-    assert list(filled["token"]) == _fill_mask(dirs["mlm"], masked)  # the registry's model is the export
+    ids, probs = fill_mask_reference(models["mlm"], tok, masked)  # the registry's model is the export: our own logits
+    assert [t.strip() for t in filled["token"]] == [Tokenizer.load(vocab_dir / MODEL_FILE).decode([i]).strip()
+                                                   for i in ids]
+    assert filled["score"].tolist() == pytest.approx(probs, abs=1e-5)
 
     embedded = mlflow.pyfunc.load_model("models:/deberta-debug-enc@champion").predict(pd.DataFrame({"text": REVIEWS}))
     enc = tok(REVIEWS, padding=True, return_tensors="pt")
@@ -157,47 +157,30 @@ def test_pyfunc_predicts_what_we_exported(mlflow_server, registered, vocab_dir, 
 
 def test_mlflow_models_serve_answers_pairs(mlflow_server, registered, vocab_dir, tmp_path):
     _, models, _, _ = registered
-    served = serve_once("models:/deberta-debug-sts@champion", mlflow_server, PAIRS, tmp_path / "serve.log")
+    served = serve_once("models:/deberta-debug-sts@champion", mlflow_server, PAIRS, tmp_path / "serve.log",
+                        records=SERVING_RECORDS)
     print(f"mlflow models serve: /ping after {served.seconds_to_ping:.1f} s, first answer after "
           f"{served.seconds_to_answer:.1f} s")
-    want = _ours(models["sts"], hf.build_tokenizer(vocab_dir, 64), PAIRS.sentence1, PAIRS.sentence2).view(-1)
+    tok = hf.build_tokenizer(vocab_dir, 64)
+    want = _ours(models["sts"], tok, PAIRS.sentence1, PAIRS.sentence2).view(-1)
     assert [p["score"] for p in served.predictions] == pytest.approx(want.tolist(), abs=1e-5)
+    # docs/serving.md's `dataframe_records` example, sent as written there: one pair in, one raw score out
+    records = pd.DataFrame(SERVING_RECORDS)
+    want = _ours(models["sts"], tok, records.sentence1, records.sentence2).view(-1)
+    assert [set(p) for p in served.record_predictions] == [{"score"}]
+    assert [p["score"] for p in served.record_predictions] == pytest.approx(want.tolist(), abs=1e-5)
 
 
-def _init(args: list[str], tracking_uri: str, workdir: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, MLFLOW_TRACKING_URI=tracking_uri)
-    return subprocess.run([sys.executable, "-m", "pipeline.run", "--workdir", str(workdir), *args, "--dry-run"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-
-
-def test_finetune_init_from_a_registry_version(mlflow_server, registered, tmp_path):
-    """finetune.init=models:/NAME@ALIAS downloads the version's export into the workdir (byte for byte what was
-    logged) and plans the finetune stage alone on its architecture."""
-    _, models, dirs, _ = registered
-    res = _init(["--set", "finetune.init=models:/deberta-debug-mlm@champion"], mlflow_server, tmp_path / "wd")
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    rows = re.findall(r"^  (\w+)\s+[0-9a-f]{16}  (.+)$", res.stdout, re.M)
-    assert [stage for stage, _ in rows] == ["finetune"], res.stdout[-2000:]
-    assert f'"num_hidden_layers": {models["mlm"].cfg.num_hidden_layers}' in res.stdout
-    local = tmp_path / "wd" / "registry" / "deberta-debug-mlm" / "1"
-    digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in dirs["mlm"].iterdir()}
-    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in local.iterdir()} == digest
-    assert "models:/deberta-debug-mlm/1" in res.stdout  # the alias, resolved to the version lineage records
-    # ... which the stage's run logs as its input dataset, a registry source (MLflow resolves none for models:/)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLFLOW_TRACKING_URI", mlflow_server)
-        lineage = Lineage(tmp_path / "wd")
-        lineage.start("init", {"preset": "debug"}, ["finetune"])
-        source = ("d1", "d1", "models:/deberta-debug-mlm/1")
-        run = lineage.stage_run("finetune", "from-registry", {}, {"pretrain": source}, cached=False)
-    (logged,) = mlflow.MlflowClient(mlflow_server).get_run(run.run_id).inputs.dataset_inputs
-    assert (logged.dataset.source_type, json.loads(logged.dataset.source)) == \
-        ("mlflow_registry", {"uri": "models:/deberta-debug-mlm/1"})
+def test_serving_records_are_the_docs_example():
+    """The records the serving test sends are the ones docs/serving.md shows (a user copies that line)."""
+    docs = (REPO / "docs" / "serving.md").read_text()
+    (payload,) = re.findall(r"-d '(\{\"dataframe_records\".*?)'", docs)
+    assert json.loads(payload) == {"dataframe_records": SERVING_RECORDS}
 
 
 def test_unknown_registry_version_is_one_message(mlflow_server, registered, tmp_path, monkeypatch, capsys):
     """An unknown version, alias or model, or a malformed URI: one `error:` line, exit 2, nothing downloaded (the
-    entry point called in this process; the test above runs it as a command)."""
+    entry point called in this process; tests/integration/test_pipeline_cli.py fine-tunes a version through it)."""
     from pipeline.run import main
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
@@ -210,10 +193,3 @@ def test_unknown_registry_version_is_one_message(mlflow_server, registered, tmp_
         lines = [ln for ln in err.strip().splitlines() if ln.strip()]
         assert len(lines) == 1 and lines[0].startswith(f"error: finetune.init={uri}: ") and fragment in lines[0], err
     assert not (tmp_path / "wd" / "registry").exists()
-
-
-def _fill_mask(path: Path, texts: list[str]) -> list[str]:
-    import transformers
-
-    fill = transformers.pipeline("fill-mask", model=str(path))
-    return [fill(t, top_k=1)[0]["token_str"] for t in texts]

@@ -226,8 +226,154 @@ def test_bad_finetune_init_is_one_message_before_ray(make, fragment, hf_deberta,
 
 
 def test_pretrained_is_short_for_finetune_init(hf_deberta, tmp_path):
-    """`--pretrained DIR` and `--set finetune.init=DIR` plan the same finetune artifact (init is a *how* field: the
-    checkpoint's digest is the input), and the directory is fine as a plan on its own."""
-    plans = [plan_of([*flag, "--workdir", str(tmp_path / "wd")])
-             for flag in (["--pretrained", str(hf_deberta)], ["--set", f"finetune.init={hf_deberta}"])]
-    assert plans[0] == plans[1] and list(plans[0]) == ["finetune"] and plans[0]["finetune"][1] == "run"
+    """`--pretrained DIR` sets finetune.init to the directory and the [model] section to its config.json (read here
+    with json), and plans what `--set finetune.init=DIR` plans: the finetune stage alone (init is a *how* field: the
+    checkpoint's digest is the input). `--pretrained` runs for real in tests/integration/test_finetune.py (a
+    directory) and below (a registry version)."""
+    res = pipeline(["--pretrained", str(hf_deberta), "--workdir", str(tmp_path / "wd"), "--dry-run"], timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    resolved = json.loads(res.stdout[res.stdout.index("{"):res.stdout.index("\n}\n") + 2])
+    config = json.loads((hf_deberta / "config.json").read_text())
+    assert resolved["finetune"]["init"] == str(hf_deberta)
+    shape = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+             "max_position_embeddings")
+    assert {k: resolved["model"][k] for k in shape} == {k: config[k] for k in shape}
+    rows = re.findall(r"^  (\w+)\s+([0-9a-f]{16})  (.+)$", res.stdout, re.M)
+    plan = plan_of(["--set", f"finetune.init={hf_deberta}", "--workdir", str(tmp_path / "wd")])
+    assert {stage: (art, state) for stage, art, state in rows} == plan and list(plan) == ["finetune"]
+    assert plan["finetune"][1] == "run"
+
+
+# ----------------------------------------------------------------------------------------------- the plan on paper
+
+def test_dry_run_days_are_the_papers_schedule_at_the_stated_throughput(tmp_path):
+    """`--preset deberta-1.5b --dry-run`: the printed compute and duration, recomputed here from the paper and the
+    data sheet instead of read back. DeBERTa Table 8: 1M steps of 2,048 x 512 tokens; 48 layers of width 1,536, a
+    128,100-row vocabulary, relative positions over 2 x 256 rows. Training FLOPs per token = 6 N for the matmul
+    weights (N = the backbone less its word embedding, which is a lookup) + 3 x 48 x (4 T H + 4 R H) for the
+    content and disentangled attention scores (DeBERTa §3.1; T = 512, R = 512), within 5% (the LM head on the
+    15% of targets adds ~2%, the EMD running the last layer only at the targets saves ~1%). The H100's dense bf16
+    peak is 989 TFLOP/s (NVIDIA's data sheet); the utilisation is the plan's stated assumption, read from it."""
+    res = pipeline(["--preset", "deberta-1.5b", "--workdir", str(tmp_path / "wd"), "--dry-run"], timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = res.stdout
+    workers = int(re.search(r"= (\d+) workers, ZeRO-", out).group(1))
+    backbone = int(re.search(r"backbone ([\d,]+)\)", out).group(1).replace(",", ""))
+    gflop = float(re.search(r"compute: ([\d.]+) GFLOP/token", out).group(1))
+    mfu, peak, step_s, steps, days = re.search(
+        r"at (\d+)% MFU of (\d+) TFLOP/s bf16 per H100: ([\d.]+) s/step, ([\d,]+) steps = ([\d.]+) days", out).groups()
+    layers, hidden, vocab, seq, rows = 48, 1536, 128_100, 512, 2 * 256
+    flops = 6 * (backbone - vocab * hidden) + 3 * layers * (4 * seq * hidden + 4 * rows * hidden)
+    assert workers == 128 and int(peak) == 989 and int(steps.replace(",", "")) == 1_000_000
+    assert gflop * 1e9 == pytest.approx(flops, rel=0.05), (gflop, flops / 1e9)
+    want_step_s = 2048 * seq * flops / (workers * 989e12 * int(mfu) / 100)
+    assert float(step_s) == pytest.approx(want_step_s, rel=0.05), (step_s, want_step_s)
+    assert float(days) == pytest.approx(1_000_000 * want_step_s / 86_400, rel=0.05), (days, want_step_s)
+
+
+# ----------------------------------------------------------------------------------------------- registry versions
+
+TINY_PRETRAIN = [a for s in ("pretrain.num_workers=1", "pretrain.micro_batch_size=8", "pretrain.train_batch_size=8",
+                             "pretrain.max_steps=2", "pretrain.warmup_steps=1", "pretrain.eval_interval=2",
+                             "pretrain.eval_batches=1", "pretrain.ckpt_interval=2", "pretrain.log_interval=1")
+                 for a in ("--set", s)]
+TINY_FINETUNE = [a for s in ("finetune.dropout=0.0", "finetune.warmup_steps=1", "finetune.lr=1e-3",
+                             "finetune.batch_size=16", "finetune.epochs=1", "finetune.max_seq_len=64",
+                             "finetune.max_train_examples=64", "finetune.max_concurrent_trials=1", "ray.num_cpus=2",
+                             "ray.dashboard=false")
+                 for a in ("--set", s)]
+
+
+def _summary(stdout: str) -> dict[str, tuple[str, str]]:
+    """stage -> (artifact id, ran or cached) from the run's `=== summary ===`."""
+    tail = stdout.split("=== summary ===")[-1]
+    return {s: (art, how) for s, art, how in re.findall(r"^  (\w+)\s+([0-9a-f]{16})  \((\w+)\)", tail, re.M)}
+
+
+@pytest.fixture(scope="module")
+def pretrained_run(two_runs, small_corpus, mlflow_server):
+    """The debug MLM pretrained for 2 steps by `python -m pipeline.run --until pretrain` on two_runs' workdir (its
+    corpus, vocab and tokenize artifacts are reused), registered on the session's MLflow server:
+    (workdir, stage -> (artifact id, how) from the run's summary, registry version)."""
+    workdir = two_runs[0]
+    data = [a for a in SMALL if a not in ("--until", "tokenize")]
+    res = pipeline(["--corpus", str(small_corpus), "--workdir", str(workdir), *data, *TINY_PRETRAIN,
+                    "--until", "pretrain"], {"MLFLOW_TRACKING_URI": mlflow_server})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    version = re.search(r"registered deberta-debug-pretrained: version (\d+)", res.stdout)
+    assert version, res.stdout[-2000:]
+    return workdir, _summary(res.stdout), version.group(1)
+
+
+def test_pretrained_version_is_the_runs_artifacts_and_fills_masks(pretrained_run, mlflow_server, monkeypatch):
+    """The registry version the pretrain stage registers, from the entry point: its lineage tags are the artifact
+    ids the run planned and built (the directories on disk), and `mlflow.pyfunc` answers fill-mask with what the
+    artifact's own model computes (tests/integration/mlflow_serve.py: fill_mask_reference)."""
+    import mlflow
+    import pandas as pd
+    from mlflow.tracking import MlflowClient
+
+    from deberta import checkpoint, hf
+    from deberta.model import DebertaForMaskedLM
+    from core.tokenizer import Tokenizer
+    from tests.integration.mlflow_serve import fill_mask_reference
+
+    workdir, stages, version = pretrained_run
+    assert {s: how for s, (_, how) in stages.items()} == {"corpus": "cached", "vocab": "cached",
+                                                          "tokenize": "cached", "pretrain": "ran"}, stages
+    ids = {s: art for s, (art, _) in stages.items()}
+    for stage, art in ids.items():
+        assert (workdir / "artifacts" / stage / art / "_SUCCESS").is_file(), stage
+    client = MlflowClient(mlflow_server)
+    mv = client.get_model_version("deberta-debug-pretrained", version)
+    assert mv.tags == {**ids, "objective": "mlm"}
+    assert client.get_run(mv.run_id).data.tags["pipeline.artifact_id"] == ids["pretrain"]
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    masked = ["The president said on [MASK] that he would resign.", "Shares of the [MASK] fell sharply."]
+    filled = mlflow.pyfunc.load_model(f"models:/deberta-debug-pretrained/{version}").predict(
+        pd.DataFrame({"text": masked}))
+    art = workdir / "artifacts" / "pretrain" / ids["pretrain"]
+    model = DebertaForMaskedLM(checkpoint.load_config(art / "model"))
+    assert checkpoint.load_into(model, art / "model") == []
+    vocab = workdir / "artifacts" / "vocab" / ids["vocab"]
+    best, probs = fill_mask_reference(model, hf.build_tokenizer(vocab, 64), masked)
+    assert [t.strip() for t in filled["token"]] == [Tokenizer.load(vocab).decode([i]).strip() for i in best]
+    assert filled["score"].tolist() == pytest.approx(probs, abs=1e-5)
+
+
+def test_finetunes_from_the_pretrained_registry_version(pretrained_run, mlflow_server, tmp_path):
+    """`python -m pipeline.run --pretrained models:/deberta-debug-pretrained/N` in a fresh workdir: the version's
+    export is downloaded byte for byte (the pretrain artifact's hf/) and fine-tuned alone, on the version's
+    architecture (not the debug preset's); the stage's run logs the version as its input, a registry source, and the
+    champion names the version it started from."""
+    import hashlib
+
+    from deberta import checkpoint
+
+    workdir, stages, version = pretrained_run
+    uri = f"models:/deberta-debug-pretrained/{version}"
+    res = pipeline(["--pretrained", uri, "--workdir", str(tmp_path / "wd"), *TINY_FINETUNE],
+                   {"MLFLOW_TRACKING_URI": mlflow_server})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    ran = _summary(res.stdout)
+    assert list(ran) == ["finetune"] and ran["finetune"][1] == "ran", res.stdout[-2000:]
+    pretrained = workdir / "artifacts" / "pretrain" / stages["pretrain"][0]
+    finetuned = tmp_path / "wd" / "artifacts" / "finetune" / ran["finetune"][0] / "model"
+    assert checkpoint.load_config(finetuned) == checkpoint.load_config(pretrained / "model")
+
+    def digests(d: Path) -> dict[str, str]:
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in d.iterdir() if p.is_file()}
+
+    local = tmp_path / "wd" / "registry" / "deberta-debug-pretrained" / version
+    assert digests(local) == digests(pretrained / "hf")
+
+    client, children = _runs(mlflow_server, _parent_id(res.stdout))
+    (stage_run,) = [r for r in children if r.data.tags["pipeline.stage"] == "finetune"]
+    inputs = client.get_run(stage_run.info.run_id).inputs.dataset_inputs  # the task's dataset and the checkpoint
+    assert [json.loads(d.dataset.source) for d in inputs if d.dataset.source_type == "mlflow_registry"] == \
+        [{"uri": uri}], [(d.dataset.name, d.dataset.source_type) for d in inputs]
+    champion = re.search(r"finetune: deberta-debug-rotten-tomatoes v(\d+) ", res.stdout)
+    assert champion, res.stdout[-2000:]
+    mv = client.get_model_version("deberta-debug-rotten-tomatoes", champion.group(1))
+    assert mv.tags["init"] == uri and mv.tags["sweep"] == ran["finetune"][0] and mv.run_id == stage_run.info.run_id
