@@ -81,6 +81,25 @@ def debug() -> PipelineConfig:
     )
 
 
+MODEL_CPU_SMALL = DebertaConfig(vocab_size=8_100, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                intermediate_size=1024, max_position_embeddings=128, position_buckets=32,
+                                share_att_key=True, norm_rel_ebd=True)
+"""4 x 256, 4 heads, V3's relative-position layout scaled to 128 positions: the smallest model whose pretraining on
+the built-in news corpus measurably helps fine-tuning (bench/continued.py)."""
+
+
+def cpu_small() -> PipelineConfig:
+    """A model worth pretraining on 2 CPUs: 4 x 256 on the built-in news corpus, 8,000 pieces, 128-token sequences."""
+    cfg = debug()
+    pieces = 8_000
+    return dataclasses.replace(
+        cfg, preset="cpu-small", model=_with_vocab(MODEL_CPU_SMALL, pieces),
+        vocab=dataclasses.replace(cfg.vocab, vocab_size=pieces),
+        pretrain=dataclasses.replace(cfg.pretrain, micro_batch_size=16, train_batch_size=32, lr=1e-3,
+                                     warmup_steps=100, max_steps=2_000, eval_interval=500, ckpt_interval=500),
+        finetune=dataclasses.replace(cfg.finetune, lr=(1e-4, 3e-4), dropout=(0.1,)))
+
+
 def _paper(name: str, model: DebertaConfig, lr: float, workers: int, micro: int, zero: int, grid: dict, sift: bool,
            ft_workers: int = 1) -> PipelineConfig:
     """Table 8 schedule: 2,048 x 512-token sequences per step, 10k warmup, 1M steps, AdamW."""
@@ -184,6 +203,7 @@ def deberta_v3_large_continue() -> PipelineConfig:
 PRESETS = {
     "debug": debug,
     "debug-v3": debug_v3,
+    "cpu-small": cpu_small,
     "deberta-base": deberta_base,
     "deberta-large": deberta_large,
     "deberta-1.5b": deberta_1_5b,

@@ -15,7 +15,7 @@ import numpy as np
 from core.artifacts import Artifact
 from core.tokenizer import MODEL_FILE, Tokenizer
 from core.errors import StageInputError
-from core.init_checkpoint import ExternalCheckpoint, resolve_checkpoint  # noqa: F401 (resolve_checkpoint: re-exported)
+from core.init_checkpoint import ExternalCheckpoint
 
 if TYPE_CHECKING:
     import torch
