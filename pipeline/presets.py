@@ -84,8 +84,8 @@ def debug() -> PipelineConfig:
 MODEL_CPU_SMALL = DebertaConfig(vocab_size=8_100, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                                 intermediate_size=1024, max_position_embeddings=128, position_buckets=32,
                                 share_att_key=True, norm_rel_ebd=True)
-"""4 x 256, 4 heads, V3's relative-position layout scaled to 128 positions: the smallest model whose pretraining on
-the built-in news corpus measurably helps fine-tuning (bench/continued.py)."""
+"""4 x 256, 4 heads, V3's relative-position layout scaled to 128 positions: sized to pretrain on the built-in news
+corpus in about an hour on 2 CPUs; whether that pretraining helps fine-tuning is what bench/continued.py measures."""
 
 
 def cpu_small() -> PipelineConfig:
