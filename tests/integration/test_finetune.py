@@ -47,7 +47,8 @@ def learned(accuracy: float, baseline: float, n: int) -> bool:
     """Did a classifier beat the majority class by more than chance allows on n dev examples? One that learned
     nothing predicts independently of the label: its expected accuracy is at most the majority share p, and over n
     examples its accuracy varies by sqrt(p (1 - p) / n) (0.013 on the 1,409 Rotten Tomatoes dev reviews); beating
-    p by 3 of those happens by chance about once in 740 (one-sided normal tail)."""
+    p by 3 of those happens by chance about once in 740 (one-sided normal tail; for the best of k trials, at most k
+    times as often)."""
     return accuracy > baseline + 3 * math.sqrt(baseline * (1 - baseline) / n)
 
 
@@ -269,16 +270,18 @@ def _plain_transformers_directory(pre: Artifact, vocab: Artifact, out: Path) -> 
 def test_finetunes_a_plain_transformers_directory(pretrained, tmp_path):
     """`python -m pipeline.run --pretrained DIR` on an HF DeBERTa-v2 directory written by plain `transformers`
     (holding the tiny pretrained MLM): the plan is the finetune stage alone on the directory's architecture, no
-    pretrain or vocab artifact; the champion beats the majority class by more than chance, and its registry version
+    pretrain or vocab artifact; the fine-tuned backbone is the directory's weights, moved a little by training (a
+    short run at a small lr: that the checkpoint learns is the sweep tests' business), and the registry version
     names the directory and its digest."""
     import pandas as pd
     from mlflow.tracking import MlflowClient
+    from safetensors.torch import load_file
 
     pre, vocab = pretrained
     hf_dir = _plain_transformers_directory(pre, vocab, tmp_path / "someone-elses-deberta")
     wd = tmp_path / "wd"
-    point = {"dropout": "0.0", "warmup_steps": "10", "lr": "2e-3", "batch_size": "32", "epochs": "2",
-             "max_seq_len": str(SEQ), "max_train_examples": "2000", "max_concurrent_trials": "1"}
+    point = {"dropout": "0.0", "warmup_steps": "1", "lr": "1e-4", "batch_size": "16", "epochs": "1",
+             "max_seq_len": str(SEQ), "max_train_examples": "64", "max_concurrent_trials": "1"}
     sets = [*(f"finetune.{k}={v}" for k, v in point.items()), "ray.num_cpus=2", "ray.dashboard=false"]
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     res = subprocess.run([sys.executable, "-m", "pipeline.run", "--pretrained", str(hf_dir), "--workdir", str(wd),
@@ -289,14 +292,17 @@ def test_finetunes_a_plain_transformers_directory(pretrained, tmp_path):
     assert plan[0][0] == "finetune" and not any(r[0] in ("corpus", "vocab", "pretrain") for r in plan), res.stdout
     (art,) = (wd / "artifacts" / "finetune").iterdir()
     assert checkpoint.load_config(art / "model") == checkpoint.load_config(pre.path / "model")  # its architecture
-    table = pd.read_csv(art / "results.csv")
-    assert len(table) == 1 and (art / "hf" / "model.safetensors").is_file()
+    assert len(pd.read_csv(art / "results.csv")) == 1 and (art / "hf" / "model.safetensors").is_file()
+    # 4 AdamW steps at lr <= 1e-4 move an entry by at most ~4e-4: a few % of these weights; a backbone that did not
+    # start from the directory (a fresh init) would be as far from it as the weights are large (~140%)
+    given, tuned = load_file(hf_dir / "model.safetensors"), torch.load(art / "model" / "model.pt", weights_only=True)
+    for key in ("deberta.embeddings.word_embeddings.weight", "deberta.encoder.layer.0.attention.self.query_proj.weight",
+                "deberta.encoder.layer.2.output.dense.weight"):
+        moved = float((tuned[key] - given[key]).norm() / given[key].norm())
+        assert moved < 0.05, (key, moved)
 
     client = MlflowClient(f"sqlite:///{wd / 'mlflow' / 'mlflow.db'}")
     version = client.get_model_version_by_alias("deberta-debug-rotten-tomatoes", "champion")
-    accuracy, baseline = float(version.tags["dev_accuracy"]), float(version.tags["majority_baseline"])
-    assert accuracy == pytest.approx(table["dev_accuracy"][0], abs=1e-6)
-    assert learned(accuracy, baseline, len(resolve_task("rotten-tomatoes").dev)), (accuracy, baseline)
     params = client.get_run(version.run_id).data.params
     assert version.tags["init"] == params["init.source"] == str(hf_dir)
     assert version.tags["init_digest"] == params["init.digest"] and re.fullmatch(r"[0-9a-f]{16}", params["init.digest"])
