@@ -37,6 +37,9 @@ NUMBER = re.compile(r"(?<![\w.,/^+=§-])(?:(?<=\s)-|^-|(?<=[|(])-)?"  # a minus 
                     r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?%?(?![\w/^]|[.,]\d)")
 """A figure: optional minus (after a space, a bar or a parenthesis), digits with optional thousands separators and
 decimals, optional %; not part of a word, a path, a version or an exponent."""
+VALUE = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?")
+"""A number inside a result file's text or strings (`lr=0.001`, `1e-3`, `1,409`): laxer than a figure, since it
+only widens what a figure may match."""
 CODE = re.compile(r"`[^`]*`")
 LINK_TARGET = re.compile(r"\]\([^)]*\)")
 
@@ -60,7 +63,7 @@ class Problem:
 
 
 def _numbers_in_text(text: str) -> list[float]:
-    return [float(m.group().replace(",", "").rstrip("%")) for m in NUMBER.finditer(text)]
+    return [float(m.group().replace(",", "")) for m in VALUE.finditer(text)]
 
 
 def result_values(path: Path) -> list[float]:
