@@ -97,17 +97,40 @@ def check_workdir(workdir: Path) -> Path:
     return workdir
 
 
-RAW_ID_VERSION = "2"
-"""Bumped when what identifies a raw corpus changes (today: files by path, size and mtime; the built-in corpus by
-content)."""
+RAW_ID_VERSION = "3"
+"""Bumped when what identifies a raw corpus changes (today: files by path, size, mtime and `content_key`; the
+built-in corpus by content)."""
+WHOLE_FILE_KEY_MAX = 64 << 20
+"""Local corpus files up to this size are identified by a digest of all their bytes; larger ones by their first and
+last MiB (`content_key`)."""
+
+
+def content_key(path: str, size: int) -> str:
+    """xxh3 of a local corpus file's content, so that an edit that keeps size and modification time (an editor or
+    `touch -r`) still gives a new corpus id: all of the file up to WHOLE_FILE_KEY_MAX (reading it costs about what
+    the corpus stage's own read does), else its first and last MiB (a middle edit of a large file that keeps both
+    size and mtime goes unseen; README says so). Remote files (URIs) keep path, size and mtime: reading them
+    again at every start would cost a download."""
+    import xxhash
+
+    if "://" in path:
+        return ""
+    if size <= WHOLE_FILE_KEY_MAX:
+        return file_digest(Path(path), xxhash.xxh3_128)
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(size - (1 << 20))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()
 
 
 def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path) -> tuple[dict, dict]:
     """Inputs that are not stage artifacts - the raw corpus and the fine-tuning task - resolved exactly once,
     on the driver before Ray starts (a missing path fails in a second), with ids the stages' ids build on.
 
-    A corpus file is identified by path, size and modification time, so an in-place edit re-runs the corpus
-    stage; the built-in corpus by its content, so its id does not depend on where the workdir lives.
+    A corpus file is identified by path, size, modification time and `content_key`, so an in-place edit re-runs
+    the corpus stage; the built-in corpus by its content, so its id does not depend on where the workdir lives.
     """
     from stages import corpus
     from core.errors import StageInputError
@@ -136,7 +159,7 @@ def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path
             if args.corpus:
                 patterns = tuple(args.corpus)
                 sources = corpus.list_sources(patterns)
-                fingerprint = [list(s) for s in sources]
+                fingerprint = [[*s, content_key(s[0], s[1])] for s in sources]
             else:
                 builtin = materialize_corpus("news", workdir / "data" / "news")
                 patterns = (str(builtin),)
