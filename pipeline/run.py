@@ -247,19 +247,21 @@ def continued(args: argparse.Namespace, cfg: PipelineConfig, objects: dict) -> P
         layers = p.generator_layers
         if p.objective == "rtd":
             generator = objects.get("generator_init")
-            found = (continue_from.check_generator(generator.config(), released, generator.path, init.path)
-                     if generator else continue_from.generator_bin_layers(init.path, released))
+            try:
+                found = (continue_from.check_generator(generator.config(), released, generator.path, init.path)
+                         if generator else continue_from.generator_bin_layers(init.path, released))
+            except ValueError as e:
+                where = p.generator_init or f"(none; {continue_from.AUTHORS_GENERATOR_FILE} beside pretrain.init)"
+                raise UserError(f"pretrain.generator_init={where}: {e}") from None
             if found is not None and layers is not None and layers != found:
                 raise UserError(f"pretrain.generator_layers={layers} contradicts the generator to start from "
                                 f"({found} layers); drop the --set")
             layers = found if found is not None else layers
-        cfg = dataclasses.replace(cfg, model=asked, vocab=dataclasses.replace(cfg.vocab, vocab_size=init.tokenizer_length() - 1),
+        pieces = init.tokenizer_length() - 1
+        cfg = dataclasses.replace(cfg, model=asked, vocab=dataclasses.replace(cfg.vocab, vocab_size=pieces),
                                   pretrain=dataclasses.replace(p, generator_layers=layers))
         validate(cfg)
         check_pretrain(cfg.pretrain, cfg.model)
-    except ValueError as e:
-        where = p.generator_init or f"(none; {continue_from.AUTHORS_GENERATOR_FILE} beside pretrain.init)"
-        raise UserError(f"pretrain.generator_init={where}: {e}") from None
     except (StageInputError, ConfigError) as e:
         raise UserError(str(e)) from None
     return cfg

@@ -176,3 +176,40 @@ def test_zero3_builds_the_continued_model_from_the_starting_weights(root, tmp_pa
     logs = run_gloo_ranks(ZERO3_WORKER, tmp_path, {"WEIGHTS": path, "MODEL": json.dumps(dataclasses.asdict(model))})
     result = json.loads(next(ln for ln in logs[0].splitlines() if ln.startswith("RESULT "))[7:])
     assert result["wrong"] == [] and result["checked"] == result["file"], result
+
+
+def test_the_authors_generator_file_beside_the_discriminator(root, tmp_path):
+    """The authors' layout: pytorch_model.generator.bin beside the discriminator, holding the absolute position
+    table their EMD reads. Its depth is read from its keys; the RTD objective starts the generator (and its EMD
+    table) from it, and the generator computes what transformers computes from the same tensors."""
+    import shutil
+
+    from transformers import DebertaV2ForMaskedLM
+
+    from core.config import PretrainConfig
+    from deberta import continue_from
+    from stages.pretrain import objective_for
+
+    disc_dir = tmp_path / "disc"
+    shutil.copytree(released(root, "model", layers=2, seed=2), disc_dir)
+    torch.manual_seed(4)
+    hf_gen = DebertaV2ForMaskedLM(hf_config(700, layers=1)).eval()
+    table = torch.randn(128, 64)
+    torch.save({**hf_gen.state_dict(), continue_from.AUTHORS_POSITION_TABLE: table},
+               disc_dir / continue_from.AUTHORS_GENERATOR_FILE)
+    model = continue_from.read(disc_dir).config
+    assert continue_from.generator_bin_layers(disc_dir, model) == 1
+    weights, notes = objective_for(PretrainConfig(objective="rtd", generator_layers=1)).initial_weights(
+        model, str(disc_dir))
+    assert notes["generator"].endswith(continue_from.AUTHORS_GENERATOR_FILE)
+    assert notes["generator_emd_table"].startswith(continue_from.AUTHORS_POSITION_TABLE)
+    torch.testing.assert_close(weights["generator.emd.position_embeddings.weight"], table)
+    from deberta.model import DebertaForMaskedLM
+
+    gen = DebertaForMaskedLM(model.replace(num_hidden_layers=1)).eval()
+    gen.load_state_dict({k[len("generator."):]: v for k, v in weights.items() if k.startswith("generator.")})
+    ids, mask = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(gen(ids, mask, use_emd=False)["logits"][mask.bool()],
+                                   hf_gen(input_ids=ids, attention_mask=mask).logits[mask.bool()],
+                                   atol=1e-4, rtol=1e-4)
