@@ -6,7 +6,7 @@ components of the confirmed pairs, one survivor per component (the smallest doc_
 depends on neither worker count nor block order). The Ray steps, this module's orchestration:
 
     sources --map_batches(ingest.read_files, ingest.fingerprint_block)--> docs     [materialized, no text]
-                  (each block's documents, text included, written once to a staged Parquet file)
+                  (each block's documents, text included, written once to a staged Arrow file)
     docs    --stream(shard.rejected_rows)--> rejected.parquet, and the corpus's text bytes
     docs    --dedup: band rows, shuffle 1 (buckets), driver--> candidate pairs
     staged  --dedup: shuffle 2 (the candidates' text only; confirm)--> removals
@@ -54,7 +54,7 @@ VERSION = "3"
 MAX_READ_TASKS = 4096
 BLOCK_BYTES = 12 << 20
 READ_TASK_BYTES = 256 << 20
-STAGED = ".staged"  # the documents, a Parquet file per fingerprinted block; removed before the artifact is complete
+STAGED = ".staged"  # the documents, an Arrow file per fingerprinted block; removed before the artifact is complete
 Source = tuple[str, int, int]
 """(path, size in bytes, mtime_ns) of one input file."""
 
@@ -119,7 +119,7 @@ def _gather_table(ds, schema: pa.Schema) -> pa.Table:
 
 def _ingest(sources: Sequence[Source], cfg: CorpusConfig, fp: ingest.Fingerprinter, cpus: int, stage: Path):
     """Read and fingerprint every file into a materialized dataset of fingerprints and rejections (no text); the
-    documents themselves go to staged Parquet files under `stage`, one per block."""
+    documents themselves go to staged Arrow files under `stage`, one per block."""
     import ray
 
     # Files are grouped into read tasks (~READ_TASK_BYTES, at least two per CPU): a task per small
@@ -141,7 +141,7 @@ def _staged(stage: Path, columns: Sequence[str]):
     """The staged documents (`columns` of them) as a dataset read a file per task, never materialized."""
     import ray
 
-    files = sorted(str(p) for p in stage.glob("*.parquet"))
+    files = sorted(str(p) for p in stage.glob("*.arrow"))
     return (ray.data.from_items([{"path": f} for f in files], override_num_blocks=max(len(files), 1))
             .map_batches(ingest.read_staged, batch_size=1, batch_format="numpy", fn_kwargs={"columns": columns}))
 

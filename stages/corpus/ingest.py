@@ -440,7 +440,7 @@ STAGED_COLUMNS = ("doc_id", "id_hi", "id_lo", "text", "source", "reason")
 
 def fingerprint_block(block: pa.Table, fp: Fingerprinter, stage: str, batch_rows: int) -> pa.Table:
     """Ray Data batch function over a whole block: `fingerprint` it `batch_rows` documents at a time, write its
-    documents (STAGED_COLUMNS) to `stage`/<its first doc_id>.parquet, and return the fingerprints without the text.
+    documents (STAGED_COLUMNS) to `stage`/<its first doc_id>.arrow, and return the fingerprints without the text.
 
     The text stays on disk, so the materialized dataset of fingerprints holds ~200 bytes per document whatever its
     length, and the passes that need text (confirming candidates, writing the splits) read the staged blocks again.
@@ -449,11 +449,14 @@ def fingerprint_block(block: pa.Table, fp: Fingerprinter, stage: str, batch_rows
     if not block.num_rows:
         return fingerprint(block, fp).drop_columns(["text"])
     table = pa.concat_tables([fingerprint(block.slice(s, batch_rows), fp) for s in range(0, block.num_rows, batch_rows)])
-    path = f"{stage}/{table.column('doc_id')[0].as_py()}.parquet"
-    pq.write_table(table.select(list(STAGED_COLUMNS)), path, compression="none")
+    path = f"{stage}/{table.column('doc_id')[0].as_py()}.arrow"
+    staged = table.select(list(STAGED_COLUMNS))
+    with pa.ipc.new_file(path, staged.schema) as writer:  # Arrow IPC: no encoding, memory-mapped back
+        writer.write_table(staged)
     return table.drop_columns(["text"])
 
 
 def read_staged(items: dict[str, np.ndarray], columns: Sequence[str]) -> pa.Table:
     """Ray Data batch function: the staged blocks named in `items["path"]`, `columns` of them."""
-    return pa.concat_tables([pq.read_table(str(p), columns=list(columns)) for p in items["path"]])
+    return pa.concat_tables([pa.ipc.open_file(pa.memory_map(str(p))).read_all().select(list(columns))
+                             for p in items["path"]])
