@@ -406,6 +406,8 @@ def table(report: dict) -> str:
                 s = st[stage]
                 lines.append(f"{row['documents']:>9,}{label:>8}{stage:>10}{s['seconds']:>8}{s['peak_pss_gb']:>9}"
                              f"{s['spilled_gb']:>9}{rates[stage][0]:>12}{rates[stage][1]:>11}{rates[stage][2]!s:>7}")
+            steps = ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in run["corpus_timings"].items() if k != "total_s")
+            lines.append(f"{'':>17}{'corpus s':>10}  {steps}")
             q = run["quality"]
             lines.append(f"{'':>17}{'quality':>10}  {q['documents']:,} docs, {q['true_pairs_j>=0.8']} true pairs >= 0.8: "
                          f"precision {q['precision']}, recall {q['recall_j>=0.8']}")
@@ -425,11 +427,13 @@ def plot(report: dict, path: Path) -> None:
     sizes = [r["documents"] for r in report["sizes"]]
     for k, label in enumerate(report["trees"]):
         style = ["--", "-", "-."][k % 3]
+        rows = [r for r in report["sizes"] if label in r["runs"]]  # a run may cover only some sizes
+        mine = [r["documents"] for r in rows]
         for stage, color in (("corpus", "tab:blue"), ("tokenize", "tab:orange"), ("vocab", "tab:gray")):
-            stats = [r["runs"][label]["pipeline"]["stages"][stage] for r in report["sizes"]]
-            cost.plot(sizes, [s["seconds"] for s in stats], style, marker="o", color=color, label=f"{stage} ({label})")
-            mem.plot(sizes, [s["peak_pss_gb"] for s in stats], style, marker="o", color=color, label=f"{stage} ({label})")
-        mem.plot(sizes, [r["runs"][label]["pipeline"]["stages"]["corpus"]["spilled_gb"] for r in report["sizes"]],
+            stats = [r["runs"][label]["pipeline"]["stages"][stage] for r in rows]
+            cost.plot(mine, [s["seconds"] for s in stats], style, marker="o", color=color, label=f"{stage} ({label})")
+            mem.plot(mine, [s["peak_pss_gb"] for s in stats], style, marker="o", color=color, label=f"{stage} ({label})")
+        mem.plot(mine, [r["runs"][label]["pipeline"]["stages"]["corpus"]["spilled_gb"] for r in rows],
                  style, marker="x", color="tab:red", label=f"corpus: spilled ({label})")
     cost.plot(sizes, [r["documents"] / r["datasketch"]["docs_per_s_per_core"] / report["cpus"] for r in report["sizes"]],
               ":", color="tab:blue", label=f"datasketch fast path on {report['cpus']} cores (projected)")
@@ -469,7 +473,13 @@ def main() -> None:
     p.add_argument("--root", type=Path, default=None, help="scratch directory (default: a new one under /tmp)")
     p.add_argument("--keep", action="store_true", help="keep each size's corpus and workdirs")
     p.add_argument("--json", default=str(RESULTS / "scale.json"), help="report file ('' for none)")
+    p.add_argument("--render", action="store_true", help="only print the table and draw the plot of --json")
     args = p.parse_args()
+    if args.render:
+        report = json.loads(Path(args.json).read_text())
+        print(table(report))
+        plot(report, Path(args.json).with_suffix(".png"))
+        return
     root = args.root or Path(tempfile.mkdtemp(prefix="bench-scale-"))
     root.mkdir(parents=True, exist_ok=True)
     trees = {**dict(args.tree), "this": REPO}
@@ -481,7 +491,7 @@ def main() -> None:
               "threshold": args.threshold, "trees": {k: str(v) for k, v in trees.items()}, "sizes": []}
     json_path = Path(args.json) if args.json else None
     for n in args.sizes:
-        report["sizes"].append(measure(pool, n, root, trees, args))
+        report["sizes"].append({**measure(pool, n, root, trees, args), "commit": commit})
         report["load_average_1m_at_end"] = os.getloadavg()[0]
         if json_path:  # after every size, so a long run leaves what it measured
             json_path.write_text(json.dumps(report, indent=2) + "\n")
