@@ -18,8 +18,7 @@ Peak memory: on CPU, the growth of the process's peak RSS (VmHWM, `bench.memory`
 steps, measured from after the model and inputs were built (so it counts activations, gradients and
 allocator caches, not weights); on CUDA, `torch.cuda.max_memory_allocated` over the same span.
 
-    python -m bench.model                                    # CPU fp32, base width, 2 layers
-    python -m bench.model --seq 128 --steps 3                # CPU-sized (bench/results/model.json)
+    python -m bench.model                                    # CPU fp32, base width, 2 layers: bench/results/model.json
     python -m bench.model --device cuda --dtype bf16 --like 1.5b --layers 8 --tokens 16384
 Prints one JSON object (also written to --json, by default bench/results/model.json) and a table; never asserted
 in tests.

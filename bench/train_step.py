@@ -18,7 +18,7 @@ and peak allocated memory over the whole step (weights, optimizer state, gradien
 
     python -m bench.train_step --like 1.5b --micro 8 --zero 2 3        # the 1.5B model, on one GPU
     python -m bench.train_step --device cpu --like base --layers 2 --vocab 8000 --seq 128 --micro 4 --zero 2
-                                                                        # CPU-sized: bench/results/train_step.json
+        --steps 4 --warmup 2 --lr-warmup 2                              # CPU-sized: bench/results/train_step.json
 Prints one JSON object (also written to --json, by default bench/results/train_step.json) and a table. Meant for
 CUDA; on CPU (fp32, gloo) it shows the code path and the two sides' agreement, not speed (`bench.model` has that).
 """
