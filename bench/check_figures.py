@@ -3,7 +3,7 @@
     python -m bench.check_figures          # (make check-figures) one line per figure not found; exit 1 if any
 
 The convention (bench/README.md, "How a figure names its result file"): an HTML comment, invisible when rendered,
-opens a scope that lasts until the next such comment or the next heading:
+opens a scope that lasts until the next such comment, the next heading or `<!-- end figures -->`:
 
     <!-- figures: bench/results/albert.json bench/results/albert_reduced.json; not measured: 3,000 0.002 -->
     <!-- not measured: 16 128 -->           a scope of numbers that are no measurement (config values, sizes)
