@@ -54,6 +54,7 @@ VERSION = "3"
 MAX_READ_TASKS = 4096
 BLOCK_BYTES = 12 << 20
 READ_TASK_BYTES = 256 << 20
+EXCHANGE_SHARE = 0.25  # of the object store, what one round of a shuffle may hold (map outputs + reduce inputs)
 STAGED = ".staged"  # the documents, an Arrow file per fingerprinted block; removed before the artifact is complete
 Source = tuple[str, int, int]
 """(path, size in bytes, mtime_ns) of one input file."""
@@ -146,10 +147,12 @@ def _staged(stage: Path, columns: Sequence[str]):
             .map_batches(ingest.read_staged, batch_size=1, batch_format="numpy", fn_kwargs={"columns": columns}))
 
 
-def _routed(batch: pa.Table, table: list) -> pa.Table:
+def _routed(batch: pa.Table, table: list, parts: tuple[int, int]) -> pa.Table:
     import ray
 
-    return dedup.route_rows(batch, *ray.get(table[0]))
+    rows = dedup.route_rows(batch, *ray.get(table[0]))
+    part = rows.column("part").to_numpy()
+    return rows.filter(pa.array((part >= parts[0]) & (part < parts[1])))
 
 
 def _confirmed(rows: pa.Table, pair_slots: list, params: dedup.Params) -> pa.Table:
@@ -172,15 +175,35 @@ CONFIRM_SCHEMA = pa.schema([("slot_a", pa.int64()), ("slot_b", pa.int64()), ("si
                             ("text_a", pa.large_string()), ("text_b", pa.large_string())])
 
 
+def _rounds(nbytes: float) -> int:
+    """Exchanges of `nbytes` in all are run in this many rounds, so that one round's map outputs and reduce
+    inputs (twice its bytes) fit in EXCHANGE_SHARE of the object store: the store is never filled, nothing spills."""
+    import ray
+
+    store = ray.cluster_resources().get("object_store_memory", 2 << 30)
+    return max(1, int(-(-2 * nbytes // (EXCHANGE_SHARE * store))))
+
+
 def _buckets(docs, params: dedup.Params, readable: int, cpus: int, batch: int) -> dict[str, np.ndarray]:
-    """Shuffle 1: every document's band rows, grouped by partition; exact groups, candidates, bucket sizes."""
-    parts = dedup.partitions(readable * params.bands * dedup.BAND_ROW_BYTES, cpus)
-    rows = _gather(docs.map_batches(dedup.band_rows, batch_format="pyarrow", batch_size=batch,
-                                    fn_kwargs={"bands": params.bands, "parts": parts})
-                   .groupby("part", num_partitions=parts).map_groups(dedup.buckets, batch_format="numpy"))
-    empty = {"kind": np.zeros(0, np.uint8), "size": np.zeros(0, np.int64)}
+    """Shuffle 1: every document's band rows, grouped by partition; exact groups, candidates, bucket sizes.
+
+    The bands are exchanged a group at a time (`_rounds`); bucket keys of different bands never meet, and exact
+    groups come from band 0 alone, so the rounds' outputs just add up."""
+    nbytes = readable * params.bands * dedup.BAND_ROW_BYTES
+    rounds = min(_rounds(nbytes), params.bands)
+    parts = dedup.partitions(nbytes / rounds, cpus)
     names = ("kind", "a_hi", "a_lo", "b_hi", "b_lo", "size")
-    return {c: rows.get(c, empty.get(c, np.zeros(0, np.uint64))) for c in names}
+    out: dict[str, list] = {c: [np.zeros(0, np.uint8 if c == "kind" else np.int64 if c == "size" else np.uint64)]
+                            for c in names}
+    for r in range(rounds):
+        first, last = r * params.bands // rounds, (r + 1) * params.bands // rounds
+        rows = _gather(docs.map_batches(dedup.band_rows, batch_format="pyarrow", batch_size=batch,
+                                        fn_kwargs={"bands": params.bands, "parts": parts, "first": first, "last": last})
+                       .groupby("part", num_partitions=parts).map_groups(dedup.buckets, batch_format="numpy"))
+        for c in names:
+            if c in rows:
+                out[c].append(rows[c])
+    return {c: np.concatenate(v) for c, v in out.items()}
 
 
 def _confirm(texts, nodes: dedup.Nodes, a: np.ndarray, b: np.ndarray, params: dedup.Params, cpus: int,
@@ -194,11 +217,16 @@ def _confirm(texts, nodes: dedup.Nodes, a: np.ndarray, b: np.ndarray, params: de
     count = np.bincount(routes.node, minlength=len(nodes.hi))
     table = [ray.put((nodes.hi, nodes.lo, first, count, routes.part))]
     pair_slots = [ray.put(slots) for slots in routes.pair_slots]
-    routed = texts.map_batches(_routed, batch_format="pyarrow", batch_size=batch, fn_kwargs={"table": table})
-    pairs = _gather_table(routed.groupby("part", num_partitions=parts)
-                          .map_groups(_confirmed, batch_format="pyarrow",
-                                      fn_kwargs={"pair_slots": pair_slots, "params": params}), CONFIRM_SCHEMA)
-    return dedup.resolve(nodes, pairs, routes.node, params.threshold)
+    rounds = min(_rounds(len(routes.node) * doc_bytes), parts)  # a group of partitions at a time
+    found = []
+    for r in range(rounds):
+        group = (r * parts // rounds, (r + 1) * parts // rounds)
+        routed = texts.map_batches(_routed, batch_format="pyarrow", batch_size=batch,
+                                   fn_kwargs={"table": table, "parts": group})
+        found.append(_gather_table(routed.groupby("part", num_partitions=group[1] - group[0])
+                                   .map_groups(_confirmed, batch_format="pyarrow",
+                                               fn_kwargs={"pair_slots": pair_slots, "params": params}), CONFIRM_SCHEMA))
+    return dedup.resolve(nodes, pa.concat_tables(found), routes.node, params.threshold)
 
 
 def _find_duplicates(docs, texts, params: dedup.Params, readable: int, text_bytes: int, cpus: int, batch: int,

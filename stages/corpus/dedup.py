@@ -87,14 +87,15 @@ def find(table_hi: np.ndarray, table_lo: np.ndarray, hi: np.ndarray, lo: np.ndar
 # ---------------------------------------------------------------- shuffle 1: buckets
 
 
-def band_rows(batch: pa.Table, bands: int, parts: int) -> dict[str, np.ndarray]:
-    """One row per (readable document, band): its bucket key, routed to partition key % parts."""
+def band_rows(batch: pa.Table, bands: int, parts: int, first: int = 0, last: int | None = None) -> dict[str, np.ndarray]:
+    """One row per (readable document, band of [first, last)): its bucket key, routed to partition key % parts."""
+    last = bands if last is None else last
     ok = pc.is_null(batch.column("reason")).to_numpy(zero_copy_only=False)
-    keys = batch.column("bands").combine_chunks().flatten().to_numpy().reshape(-1, bands)[ok]  # (N, B)
+    keys = batch.column("bands").combine_chunks().flatten().to_numpy().reshape(-1, bands)[ok][:, first:last]  # (N, b)
     cols = {c: batch.column(c).to_numpy()[ok] for c in ("id_hi", "id_lo", "h_hi", "h_lo")}
     return {"part": (keys.ravel() % np.uint64(parts)).astype(np.int32), "key": keys.ravel(),
-            "band": np.tile(np.arange(bands, dtype=np.uint8), len(keys)),
-            **{c: np.repeat(v, bands) for c, v in cols.items()}}
+            "band": np.tile(np.arange(first, last, dtype=np.uint8), len(keys)),
+            **{c: np.repeat(v, last - first) for c, v in cols.items()}}
 
 
 def _exact_groups(r: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

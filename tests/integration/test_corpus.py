@@ -254,6 +254,21 @@ def test_bad_inputs_rejected_and_rest_processed(first_run, planted):
 
 
 @pytest.mark.ray
+def test_exchanges_in_many_rounds_find_the_same_duplicates(first_run, planted, tmp_path, monkeypatch):
+    """With a tiny object-store share every shuffle runs in many rounds (a band, a confirm partition at a time):
+    the same pairs, removals and splits; and no staged text is left in the artifact."""
+    out, result = first_run
+    monkeypatch.setattr(corpus, "EXCHANGE_SHARE", 1e-6)
+    again = run_stage(planted["patterns"], tmp_path / "rounds", batch_size=64, rows_per_shard=100)
+    assert again.counts == result.counts
+    for name, key in (("near_pairs.parquet", ["a", "b"]), ("duplicates.parquet", ["doc_id"])):
+        order = [(k, "ascending") for k in key]
+        assert pq.read_table(tmp_path / "rounds" / name).sort_by(order).equals(pq.read_table(out / name).sort_by(order))
+    assert ids_of(tmp_path / "rounds", "train") == ids_of(out, "train")
+    assert not (out / corpus.STAGED).exists() and not (tmp_path / "rounds" / corpus.STAGED).exists()
+
+
+@pytest.mark.ray
 def test_split_is_deterministic_by_doc_id(first_run):
     out, result = first_run
     train, val = ids_of(out, "train"), ids_of(out, "validation")
