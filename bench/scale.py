@@ -305,7 +305,7 @@ def true_pairs(texts: list[str], floor: float) -> dict[tuple[int, int], float]:
         grams = {n[k:k + 5] for k in range(max(len(n) - 4, 1))}
         cols.extend(vocab.setdefault(g, len(vocab)) for g in grams)
         rows.extend([i] * len(grams))
-    a = sparse.csr_matrix((np.ones(len(rows), np.float32), (rows, cols)), shape=(len(texts), len(vocab)))
+    a = sparse.csr_matrix((np.ones(len(rows), np.float64), (rows, cols)), shape=(len(texts), len(vocab)))  # exact counts
     size = np.asarray(a.sum(axis=1)).ravel()
     out = {}
     for start in range(0, len(texts), 500):
@@ -336,7 +336,7 @@ def quality(corpus_art: Path, truth: dict[tuple[int, int], float], sample_ids: l
             claimed.add(tuple(sorted((index[e["a"]], index[e["b"]]))))
     t8 = [p for p, j in truth.items() if j >= 0.8]
     found = [p for p in t8 if label[sample_ids[p[0]]] == label[sample_ids[p[1]]]]
-    right = [p for p in claimed if truth.get(p, 0.0) >= threshold - 1e-9]
+    right = [p for p in claimed if truth.get(p, 0.0) >= threshold - 1e-12]
     return {"documents": len(sample_ids), "true_pairs_j>=0.8": len(t8), "claimed_pairs": len(claimed),
             "precision": round(len(right) / max(len(claimed), 1), 4),
             "recall_j>=0.8": round(len(found) / max(len(t8), 1), 4)}
