@@ -87,14 +87,24 @@ def resolve_config(args: argparse.Namespace) -> PipelineConfig:
 
 
 def check_workdir(workdir: Path) -> Path:
-    """The workdir, absolute, checked writable without creating it: a run that stops at bad input leaves no
-    directory behind (`main` removes one it created)."""
+    """The workdir, absolute, created and written to once (a run that then stops at bad input leaves nothing:
+    `main` removes what it created)."""
     workdir = workdir.expanduser().resolve()
-    existing = next(p for p in (workdir, *workdir.parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        why = "is not a directory" if not existing.is_dir() else "is not writable"
-        raise UserError(f"workdir {workdir} cannot be created: {existing} {why}; pass --workdir DIR you can write to")
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        probe = workdir / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"workdir {workdir} is not writable ({e.strerror}); pass --workdir DIR you can write to") from None
     return workdir
+
+
+def created_by_this_run(workdir: Path) -> Path | None:
+    """The outermost directory of `workdir`'s path that does not exist yet (what a refused run removes), or None."""
+    workdir = workdir.expanduser().resolve()
+    missing = [p for p in (workdir, *workdir.parents) if not p.exists()]
+    return missing[-1] if missing else None
 
 
 RAW_ID_VERSION = "3"
@@ -189,16 +199,15 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.executor import RunConflict
 
     args = build_parser().parse_args(argv)
-    workdir = args.workdir.expanduser().resolve()
-    fresh = not workdir.exists()
+    created = created_by_this_run(args.workdir)
     try:
         rc = _main(args)
-        if args.dry_run and fresh and workdir.is_dir():  # a plan on paper writes nothing either
-            shutil.rmtree(workdir, ignore_errors=True)
+        if args.dry_run and created is not None:  # a plan on paper writes nothing either
+            shutil.rmtree(created, ignore_errors=True)
         return rc
     except (UserError, ConfigError, RunConflict, LockHeld) as e:
-        if fresh and workdir.is_dir():  # refused before any stage ran: what this run created (a download of a
-            shutil.rmtree(workdir, ignore_errors=True)  # registry version, the built-in corpus) goes with it
+        if created is not None:  # refused before any stage ran: what this run created (the workdir, a download of
+            shutil.rmtree(created, ignore_errors=True)  # a registry version, the built-in corpus) goes with it
         print(f"error: {e}", file=sys.stderr)
         return 2
 

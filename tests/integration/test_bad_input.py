@@ -35,7 +35,7 @@ def test_a_refused_run_leaves_nothing(args, fragment, tmp_path, mlflow_server):
     else:
         lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
         assert res.returncode == 2 and len(lines) == 1 and fragment in lines[0], res.stdout[-2000:] + res.stderr[-2000:]
-    assert not (tmp_path / "fresh").exists() or not any((tmp_path / "fresh").iterdir())
+    assert not (tmp_path / "fresh").exists()
     assert _runs(mlflow_server) == before  # not even a parent run (FAILED or left RUNNING)
 
 
@@ -59,5 +59,5 @@ def test_a_workdir_that_cannot_be_created_is_named(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert main(["--workdir", str(tmp_path / "file" / "wd"), "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"error: workdir {tmp_path / 'file' / 'wd'} cannot be created: {tmp_path / 'file'} is not a "
-                   f"directory; pass --workdir DIR you can write to"), err
+    assert err.startswith(f"error: workdir {tmp_path / 'file' / 'wd'} is not writable (") and err.endswith(
+        "); pass --workdir DIR you can write to"), err
