@@ -214,7 +214,9 @@ def test_pipeline_job_end_to_end(ray_cluster_2_nodes, mlflow_server, small_corpu
     assert (workdir / "artifacts" / "corpus" / corpus_id / "_SUCCESS").is_file()
     # ... and the corpus stage's MLflow run names that artifact: the lineage closes.
     exp = client.get_experiment_by_name("deberta-pipeline")
-    corpus_runs = client.search_runs([exp.experiment_id], "tags.`pipeline.stage` = 'corpus'")
+    parent = client.get_run(pretrained.run_id).data.tags["mlflow.parentRunId"]  # this job's pipeline run only: the
+    corpus_runs = client.search_runs(  # server is shared with other tests' runs
+        [exp.experiment_id], f"tags.`pipeline.stage` = 'corpus' and tags.`mlflow.parentRunId` = '{parent}'")
     assert [r.data.tags["pipeline.artifact_id"] for r in corpus_runs] == [corpus_id]
     assert client.get_run(pretrained.run_id).data.tags["pipeline.artifact_id"] == pretrained.tags["pretrain"]
 
