@@ -392,7 +392,7 @@ def measure(pool: list[str], n: int, root: Path, trees: dict[str, Path], args: a
 def table(report: dict) -> str:
     lines = [f"{report['cpus']} CPUs, object store {report['object_store_gb']} GB; trees: "
              + ", ".join(f"{k} ({v})" for k, v in report["trees"].items()),
-             f"{'docs':>9}{'run':>8}{'stage':>10}{'s':>8}{'peak GB':>9}{'spill GB':>9}{'rate/core':>12}{'peer/core':>11}"
+             f"{'docs':>9}{'run':>16}{'stage':>10}{'s':>8}{'peak GB':>9}{'spill GB':>9}{'rate/core':>12}{'peer/core':>11}"
              f"{'ratio':>7}"]
     for row in report["sizes"]:
         for label, run in row["runs"].items():
@@ -404,12 +404,12 @@ def table(report: dict) -> str:
                                   f"{row['encode_2']['tokens_per_s_per_core'] / 1e6:.2f}M t", d["tokenize_vs_two_processes"])}
             for stage in STAGES:
                 s = st[stage]
-                lines.append(f"{row['documents']:>9,}{label:>8}{stage:>10}{s['seconds']:>8}{s['peak_pss_gb']:>9}"
+                lines.append(f"{row['documents']:>9,}{label:>16}{stage:>10}{s['seconds']:>8}{s['peak_pss_gb']:>9}"
                              f"{s['spilled_gb']:>9}{rates[stage][0]:>12}{rates[stage][1]:>11}{rates[stage][2]!s:>7}")
             steps = ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in run["corpus_timings"].items() if k != "total_s")
-            lines.append(f"{'':>17}{'corpus s':>10}  {steps}")
+            lines.append(f"{'':>25}{'corpus s':>10}  {steps}")
             q = run["quality"]
-            lines.append(f"{'':>17}{'quality':>10}  {q['documents']:,} docs, {q['true_pairs_j>=0.8']} true pairs >= 0.8: "
+            lines.append(f"{'':>25}{'quality':>10}  {q['documents']:,} docs, {q['true_pairs_j>=0.8']} true pairs >= 0.8: "
                          f"precision {q['precision']}, recall {q['recall_j>=0.8']}")
     lines.append("rate/core: the stage's documents (d) or content tokens (t) per second per CPU; peer: datasketch's fast "
                  "path (one core) / a plain SentencePiece loop in two processes; ratio: stage over peer per core "
