@@ -125,14 +125,17 @@ def content_key(path: str, size: int) -> str:
 
     if "://" in path:
         return ""
-    if size <= WHOLE_FILE_KEY_MAX:
-        return file_digest(Path(path), xxhash.xxh3_128)
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-        f.seek(size - (1 << 20))
-        h.update(f.read(1 << 20))
-    return h.hexdigest()
+    try:
+        if size <= WHOLE_FILE_KEY_MAX:
+            return file_digest(Path(path), xxhash.xxh3_128)
+        h = xxhash.xxh3_128()
+        with open(path, "rb") as f:
+            h.update(f.read(1 << 20))
+            f.seek(size - (1 << 20))
+            h.update(f.read(1 << 20))
+        return h.hexdigest()
+    except OSError as e:  # unreadable (a dangling link): the corpus stage rejects it with the reason
+        return f"unreadable: {e.strerror}"
 
 
 def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path) -> tuple[dict, dict]:
