@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import RESULTS, emit
-from bench.scale import datasketch_pairs
+from bench.scale import datasketch_pairs, true_pairs  # one brute-force reference (float64 Jaccard)
 from core.config import CorpusConfig
 from core.datasets import materialize_corpus, site_packages_file
 from stages import corpus
@@ -96,29 +96,6 @@ def exact_survivors(texts: list[str], ids: list[str]) -> list[int]:
         if n and (n not in best or ids[i] < ids[best[n]]):
             best[n] = i
     return sorted(best.values())
-
-
-def true_pairs(texts: list[str], floor: float) -> dict[tuple[int, int], float]:
-    """Brute force: Jaccard of exact 5-gram string sets for every pair; those >= floor."""
-    from scipy import sparse
-
-    vocab: dict[str, int] = {}
-    rows, cols = [], []
-    for i, t in enumerate(texts):
-        n = normalize(t)
-        grams = {n[k:k + 5] for k in range(max(len(n) - 4, 1))}
-        cols.extend(vocab.setdefault(g, len(vocab)) for g in grams)
-        rows.extend([i] * len(grams))
-    a = sparse.csr_matrix((np.ones(len(rows), np.float32), (rows, cols)), shape=(len(texts), len(vocab)))
-    size = np.asarray(a.sum(axis=1)).ravel()
-    out = {}
-    for start in range(0, len(texts), 500):  # (500, N) dense block of intersections
-        inter = (a[start:start + 500] @ a.T).toarray()
-        jac = inter / (size[start:start + 500, None] + size[None, :] - inter)
-        for i, j in zip(*np.nonzero(jac >= floor)):
-            if start + i < j:
-                out[(start + i, int(j))] = float(jac[i, j])
-    return out
 
 
 def ours_signature_lsh(texts: list[str], num_perm: int, threshold: float) -> tuple[float, set]:
