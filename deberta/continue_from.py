@@ -65,11 +65,11 @@ def _meta_state(module_factory) -> dict[str, torch.Tensor]:
 
 def _checked(part: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, where: str) -> dict:
     """`part` (a head) checked key for key and shape for shape against `want` (a fresh module's state dict)."""
+    from deberta.hf import state_mismatch
+
     if not part:
         return {}
-    missing, extra = sorted(set(want) - set(part)), sorted(set(part) - set(want))
-    shapes = [f"{k} {tuple(part[k].shape)} vs {tuple(want[k].shape)}"
-              for k in sorted(set(want) & set(part)) if part[k].shape != want[k].shape]
+    missing, extra, shapes = state_mismatch(part, want)
     if missing or extra or shapes:
         raise ValueError(f"{where}: its {what} does not fit its config.json: missing {missing[:3]}, unexpected "
                          f"{extra[:3]}, shapes {shapes[:3]}")

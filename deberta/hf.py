@@ -486,6 +486,14 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
                             f"written by save_pretrained")
 
 
+def state_mismatch(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[list, list, list]:
+    """(keys `want` has and `got` lacks, keys only `got` has, "key (got) vs (want)" for shapes that differ)."""
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    shapes = [f"{k} {tuple(got[k].shape)} vs {tuple(want[k].shape)}"
+              for k in sorted(set(want) & set(got)) if got[k].shape != want[k].shape]
+    return missing, extra, shapes
+
+
 def _backbone_tensors(state: dict[str, torch.Tensor], cfg: DebertaConfig, where: Path) -> dict[str, torch.Tensor]:
     """`deberta.*` fp32 tensors checked key for key and shape for shape against our DebertaModel(cfg)."""
     # a bare DebertaV2Model saves "embeddings.*"/"encoder.*"; task models prefix "deberta."
@@ -496,9 +504,7 @@ def _backbone_tensors(state: dict[str, torch.Tensor], cfg: DebertaConfig, where:
     tensors = {k: v for k, v in tensors.items() if k.startswith(BACKBONE_PREFIX) and not k.endswith(ignored)}
     with torch.device("meta"):
         want = {BACKBONE_PREFIX + k: v for k, v in DebertaModel(cfg, _init=False).state_dict().items()}
-    missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
-    shapes = [f"{k} {tuple(tensors[k].shape)} vs {tuple(want[k].shape)}"
-              for k in sorted(set(want) & set(tensors)) if tensors[k].shape != want[k].shape]
+    missing, extra, shapes = state_mismatch(tensors, want)
     if missing or extra or shapes:
         raise ValueError(f"{where}: the weights do not fit its config.json: missing {missing[:5]}, unexpected "
                          f"{extra[:5]}, shapes {shapes[:5]}; the checkpoint and its config do not belong together")
