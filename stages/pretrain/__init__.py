@@ -159,6 +159,8 @@ def initial_weights(objective: Objective, model: "DebertaConfig", inputs: dict, 
     import torch
     from safetensors.torch import save_file
 
+    from deberta.hf import state_mismatch
+
     init, generator = inputs["init"], inputs.get("generator_init")
     target = scratch / INIT_WEIGHTS_FILE
     try:
@@ -168,7 +170,8 @@ def initial_weights(objective: Objective, model: "DebertaConfig", inputs: dict, 
     factory, _ = objective.build_model(model)
     with torch.device("meta"):
         want = factory().state_dict()
-    bad = sorted(set(weights) - set(want)) + [k for k in weights if k in want and weights[k].shape != want[k].shape]
+    _, extra, shapes = state_mismatch(weights, want)  # missing keys keep the fresh init
+    bad = extra + shapes
     if bad:
         raise StageInputError(f"pretrain.init={init.source}: {len(bad)} tensors do not fit the model, e.g. {bad[:3]}")
     if not target.is_file():  # written whole, then renamed: present means complete
