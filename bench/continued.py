@@ -29,6 +29,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -85,8 +86,27 @@ def artifacts(stdout: str) -> dict[str, Path]:
 # ------------------------------------------------------------------------------------------------- pretraining
 
 def pretrain(args, tok_dir: Path, vocab_dir: Path, model) -> tuple[dict[str, Any], dict[int, dict], dict]:
-    """`--steps` of the stage's MLM step on news; (report, {step: backbone}, final state dict)."""
+    """`--steps` of the stage's MLM step on news; (report, {step: backbone}, final state dict).
+
+    The result is kept in `--workdir`/news-pretrain/KEY (KEY: the tokenize artifact and every pretraining option),
+    so a rerun with other fine-tuning options reuses it; it is written under KEY.tmp and renamed when complete.
+    """
+    import hashlib
+
     import torch
+    from safetensors.numpy import load_file, save_file
+
+    key = hashlib.sha256(json.dumps({"tokenize": tok_dir.name, "model": repr(model), "steps": args.steps,
+                                     "batch": args.batch, "lr": args.lr, "warmup": args.warmup,
+                                     "snapshots": list(args.snapshots)}, sort_keys=True).encode()).hexdigest()[:16]
+    done, partial = args.workdir / "news-pretrain" / key, args.workdir / "news-pretrain" / f"{key}.tmp"
+    if (done / "report.json").exists():
+        print(f"pretraining: reusing {done}", file=sys.stderr, flush=True)
+        snapshots = {int(f.stem.split("-")[1]): load_file(f) for f in done.glob("step-*.safetensors")}
+        final = {k: torch.from_numpy(v) for k, v in load_file(done / "final.safetensors").items()}
+        return json.loads((done / "report.json").read_text()), snapshots, final
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
 
     from bench.objectives import load_sequences
     from core.config import PretrainConfig
@@ -119,6 +139,7 @@ def pretrain(args, tok_dir: Path, vocab_dir: Path, model) -> tuple[dict[str, Any
     for step in range(args.steps + 1):
         if step in keep:
             snapshots[step] = backbone()
+            save_file(snapshots[step], partial / f"step-{step}.safetensors")
             sums = validation_sums(engine, objective, masker, val_batches)
             curve.append({"step": step, "val_loss": round(objective.eval_metrics(sums)["val_loss"], 4),
                           "wall_s": round(time.perf_counter() - started, 1)})
@@ -133,7 +154,12 @@ def pretrain(args, tok_dir: Path, vocab_dir: Path, model) -> tuple[dict[str, Any
                                                                                    len(train), 2),
               "wall_s": round(wall, 1), "tokens_per_s": round(args.steps * args.batch * train.shape[1] / wall),
               "curve": curve}
-    return report, snapshots, {k: v.detach() for k, v in engine.module.state_dict().items()}
+    final = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    save_file({k: v.numpy() for k, v in final.items()}, partial / "final.safetensors")
+    (partial / "report.json").write_text(json.dumps(report, indent=1))
+    shutil.rmtree(done, ignore_errors=True)
+    partial.rename(done)
+    return report, snapshots, final
 
 
 def export_released(state: dict, model, vocab_dir: Path, out: Path) -> Path:
