@@ -147,7 +147,10 @@ def pretrain(args, tok_dir: Path, vocab_dir: Path, model) -> tuple[dict[str, Any
         if step == args.steps:
             break
         rows = order[step * args.batch:(step + 1) * args.batch]
-        train_step(engine, objective, masker, [to_batch({"input_ids": train[rows]})], step)
+        out = train_step(engine, objective, masker, [to_batch({"input_ids": train[rows]})], step)
+        if (step + 1) % 250 == 0:
+            print(f"pretrain step {step + 1}/{args.steps}: loss {out['loss']:.4f}, "
+                  f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     wall = time.perf_counter() - started
     report = {"steps": args.steps, "batch": args.batch, "seq_len": train.shape[1], "lr": args.lr,
               "warmup": args.warmup, "train_sequences": len(train), "epochs": round(args.steps * args.batch /
