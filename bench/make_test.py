@@ -32,6 +32,12 @@ def pytest_counts(log: str) -> dict[str, int]:
     return {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", summary[-1])} if summary else {}
 
 
+def slowest(log: str) -> list[dict[str, object]]:
+    """pytest's `--durations` lines (`123.45s call     tests/x.py::test_y`): the slowest setups and tests."""
+    return [{"s": float(sec), "when": when, "test": test}
+            for sec, when, test in re.findall(r"^([\d.]+)s (setup|call|teardown) +(\S+)$", log, re.M)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path, default=RESULTS / "make_test.json")
@@ -45,10 +51,11 @@ def main() -> None:
         subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
         install_s, install_rc = timed(["make", "install"], clone, args.log)
         test_s, test_rc = timed(["make", "test"], clone, args.log) if install_rc == 0 else (0.0, install_rc)
-    counts = pytest_counts(args.log.read_text())
+    log = args.log.read_text()
+    counts = pytest_counts(log)
     report = {"bench": "make_test", "command": "python3 -m bench.make_test", "commit": commit,
               "install_s": round(install_s, 1), "test_s": round(test_s, 1), "total_s": round(install_s + test_s, 1),
-              "rc": test_rc, "pytest": counts, "log": str(args.log)}
+              "rc": test_rc, "pytest": counts, "slowest": slowest(log), "log": str(args.log)}
     table = (f"| commit | install | tests | total | pytest |\n|---|---|---|---|---|\n"
              f"| {commit} | {install_s / 60:.1f} min | {test_s / 60:.1f} min | {(install_s + test_s) / 60:.1f} min "
              f"| {', '.join(f'{n} {k}' for k, n in counts.items())} |")
