@@ -5,19 +5,20 @@ pairs, each candidate confirmed by its true Jaccard similarity (>= corpus.thresh
 components of the confirmed pairs, one survivor per component (the smallest doc_id, so the choice
 depends on neither worker count nor block order). The Ray steps, this module's orchestration:
 
-    sources --map_batches(ingest.read_files, ingest.fingerprint_block)--> docs     [materialized, no text]
-                  (each block's documents, text included, written once to a staged Arrow file)
-    docs    --stream(shard.rejected_rows)--> rejected.parquet, and the corpus's text bytes
-    docs    --dedup: band rows, shuffle 1 (buckets), driver--> candidate pairs
-    staged  --dedup: shuffle 2 (the candidates' text only; confirm)--> removals
+    sources --map_batches(ingest.read_files, ingest.fingerprint_block)--> staged blocks
+                  (each block's documents and fingerprints written once to an Arrow file; one row per block back)
+    staged  --stream(shard.rejected_rows)--> rejected.parquet, and the corpus's text bytes
+    staged  --dedup: band rows, exchange 1 (buckets), driver--> candidate pairs
+    staged  --dedup: exchange 2 (the candidates' text only; confirm)--> removals
     staged  --map_batches(shard.split_rows).write_parquet--> train/, validation/
 
-No pass holds the corpus's text in the object store: the materialized dataset is the fingerprints (ids, text
-hash, band keys: ~200 bytes a document), the shuffles move band rows and candidate documents, and the text of
-the kept documents streams from the staged files to the output a block at a time.
+Nothing per document stays in the object store: the staged files hold the documents and their fingerprints
+(ids, text hash, band keys), the exchanges (`exchange`, a round at a time) move band rows and candidate
+documents, and the text of the kept documents streams from the staged files to the output a block at a time.
 
 Modules: `ingest` (listing and reading files, fingerprints), `minhash` (the numpy kernels),
 `dedup` (buckets, candidate graph, confirmation, components; its docstring says what bounds memory),
+`exchange` (the all-to-all step on Ray tasks),
 `shard` (split and Parquet outputs), `report` (report.json, examples.json, dedup.png).
 
 The raw input is resolved exactly once: `list_sources(patterns)` lists the files (path, size,
@@ -39,7 +40,7 @@ import pyarrow.compute as pc
 
 from core.errors import StageInputError
 from stages.base import StageContext, StageResult
-from stages.corpus import dedup, ingest, report, shard
+from stages.corpus import dedup, exchange, ingest, report, shard
 from stages.corpus.ingest import doc_id, list_sources, read_file
 from stages.corpus.minhash import MinHasher, lsh_params
 from stages.corpus.shard import is_validation
@@ -84,43 +85,26 @@ class RawCorpus:
 
 @contextlib.contextmanager
 def _data_context():
-    """Ray Data settings of this stage, restored afterwards (the driver's context is process-wide).
-
-    - Sort-based shuffles (plain tasks on the warm workers): the default hash shuffle starts a pool of
-      aggregator actors per groupby, 2-4 s each on 2 CPUs, more than a 100k-document shuffle takes.
-    - Blocks of BLOCK_BYTES instead of 128 MiB: Ray Data runs one task per block, so a 100 MB file read
-      into one block would be fingerprinted by one core; 12 MiB keeps every core busy on a 100k-document
-      corpus while the tasks stay few (each costs ~10-20 ms of scheduling, and every pass runs one per block).
+    """Ray Data settings of this stage, restored afterwards (the driver's context is process-wide): blocks of
+    BLOCK_BYTES instead of 128 MiB. Ray Data runs one task per block, so a 100 MB file read into one block would
+    be fingerprinted by one core; 12 MiB keeps every core busy on a 100k-document corpus while the tasks stay few
+    (each costs ~10-20 ms of scheduling, and every pass runs one per block or staged file).
     """
     import ray
-    from ray.data.context import ShuffleStrategy
 
     ctx = ray.data.DataContext.get_current()
-    saved = ctx.shuffle_strategy, ctx.target_max_block_size
-    ctx.shuffle_strategy, ctx.target_max_block_size = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED, BLOCK_BYTES
+    saved = ctx.target_max_block_size
+    ctx.target_max_block_size = BLOCK_BYTES
     try:
         yield
     finally:
-        ctx.shuffle_strategy, ctx.target_max_block_size = saved
+        ctx.target_max_block_size = saved
 
 
-def _gather(ds) -> dict[str, np.ndarray]:
-    """All rows of a small (duplicate-sized) dataset on the driver, as numpy columns."""
-    parts: dict[str, list] = {}
-    for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
-        for name, values in batch.items():
-            parts.setdefault(name, []).append(values)
-    return {name: np.concatenate(values) for name, values in parts.items()}
-
-
-def _gather_table(ds, schema: pa.Schema) -> pa.Table:
-    tables = [pa.table(b) for b in ds.iter_batches(batch_format="pyarrow", batch_size=None)]
-    return pa.concat_tables([t.cast(schema) for t in tables if t.num_rows]) if tables else schema.empty_table()
-
-
-def _ingest(sources: Sequence[Source], cfg: CorpusConfig, fp: ingest.Fingerprinter, cpus: int, stage: Path):
-    """Read and fingerprint every file into a materialized dataset of fingerprints and rejections (no text); the
-    documents themselves go to staged Arrow files under `stage`, one per block."""
+def _ingest(sources: Sequence[Source], cfg: CorpusConfig, fp: ingest.Fingerprinter, cpus: int,
+            stage: Path) -> tuple[list[str], int]:
+    """Read and fingerprint every file into staged Arrow files under `stage`, one per block: (their paths, sorted;
+    the records read, rejections included)."""
     import ray
 
     # Files are grouped into read tasks (~READ_TASK_BYTES, at least two per CPU): a task per small
@@ -130,35 +114,48 @@ def _ingest(sources: Sequence[Source], cfg: CorpusConfig, fp: ingest.Fingerprint
     # worker process of its own (~1 CPU-second to start on this machine).
     total = sum(size for _, size, _ in sources)
     read_tasks = min(len(sources), MAX_READ_TASKS, max(2 * cpus, -(-total // READ_TASK_BYTES)))
-    return (ray.data.from_items([{"path": p} for p, _, _ in sources], override_num_blocks=read_tasks)
-            .map_batches(ingest.read_files, batch_size=1, batch_format="pyarrow", num_cpus=0.25, concurrency=min(cpus, read_tasks),
-                         fn_kwargs={"opts": cfg, "batch_rows": cfg.batch_size})
-            .map_batches(ingest.fingerprint_block, batch_size=None, batch_format="pyarrow", num_cpus=1,
-                         fn_kwargs={"fp": fp, "stage": str(stage), "batch_rows": cfg.batch_size})
-            .materialize())
+    blocks = (ray.data.from_items([{"path": p} for p, _, _ in sources], override_num_blocks=read_tasks)
+              .map_batches(ingest.read_files, batch_size=1, batch_format="pyarrow", num_cpus=0.25,
+                           concurrency=min(cpus, read_tasks), fn_kwargs={"opts": cfg, "batch_rows": cfg.batch_size})
+              .map_batches(ingest.fingerprint_block, batch_size=None, batch_format="pyarrow", num_cpus=1,
+                           fn_kwargs={"fp": fp, "stage": str(stage), "batch_rows": cfg.batch_size})
+              .take_all())  # one row per block
+    rows = {b["path"]: b["rows"] for b in blocks}
+    return sorted(rows), sum(rows.values())
 
 
-def _staged(stage: Path, columns: Sequence[str]):
+def _staged(files: Sequence[str], columns: Sequence[str]):
     """The staged documents (`columns` of them) as a dataset read a file per task, never materialized."""
     import ray
 
-    files = sorted(str(p) for p in stage.glob("*.arrow"))
     return (ray.data.from_items([{"path": f} for f in files], override_num_blocks=max(len(files), 1))
             .map_batches(ingest.read_staged, batch_size=1, batch_format="numpy", fn_kwargs={"columns": columns}))
 
 
-def _routed(batch: pa.Table, table: list, parts: tuple[int, int]) -> pa.Table:
-    import ray
+def _band_map(path: str, bands: int, parts: int, first: int, last: int) -> list[dict[str, np.ndarray]]:
+    """Exchange 1, map: a staged block's band rows of bands [first, last), one dict of columns per partition."""
+    rows = dedup.band_rows(ingest.open_staged(path, ingest.FINGERPRINT_COLUMNS), bands, parts, first, last)
+    order, cuts = exchange.by_part(rows.pop("part"), range(parts))
+    return [{c: v[order[cuts[p]:cuts[p + 1]]] for c, v in rows.items()} for p in range(parts)]
 
-    rows = dedup.route_rows(batch, *ray.get(table[0]))
-    part = rows.column("part").to_numpy()
-    return rows.filter(pa.array((part >= parts[0]) & (part < parts[1])))
+
+def _bucket_reduce(*pieces: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return dedup.buckets({c: np.concatenate([p[c] for p in pieces]) for c in pieces[0]})
 
 
-def _confirmed(rows: pa.Table, pair_slots: list, params: dedup.Params) -> pa.Table:
-    import ray
+def _route_map(path: str, table: tuple, group: tuple[int, int]) -> list[pa.Table]:
+    """Exchange 2, map: a staged block's candidate documents (part, slot, text), one table per partition of
+    [group[0], group[1])."""
+    rows = dedup.route_rows(ingest.open_staged(path, ("id_hi", "id_lo", "text")), *table)
+    order, cuts = exchange.by_part(rows.column("part").to_numpy(), range(*group))
+    rows = rows.take(pa.array(order))
+    return [rows.slice(cuts[k], cuts[k + 1] - cuts[k]) for k in range(group[1] - group[0])]
 
-    return dedup.confirm(rows, *ray.get(pair_slots[rows.column("part")[0].as_py()]), params)
+
+def _confirm_reduce(slots: tuple[np.ndarray, np.ndarray], params: dedup.Params, *pieces: pa.Table) -> pa.Table:
+    if not len(slots[0]):  # a partition no pair was routed to
+        return CONFIRM_SCHEMA.empty_table()
+    return dedup.confirm(pa.concat_tables(pieces), *slots, params).cast(CONFIRM_SCHEMA)
 
 
 @dataclass
@@ -184,8 +181,8 @@ def _rounds(nbytes: float) -> int:
     return max(1, int(-(-2 * nbytes // (EXCHANGE_SHARE * store))))
 
 
-def _buckets(docs, params: dedup.Params, readable: int, cpus: int, batch: int) -> dict[str, np.ndarray]:
-    """Shuffle 1: every document's band rows, grouped by partition; exact groups, candidates, bucket sizes.
+def _buckets(files: Sequence[str], params: dedup.Params, readable: int, cpus: int) -> dict[str, np.ndarray]:
+    """Exchange 1: every document's band rows, by partition; exact groups, candidates, bucket sizes.
 
     The bands are exchanged a group at a time (`_rounds`); bucket keys of different bands never meet, and exact
     groups come from band 0 alone, so the rounds' outputs just add up."""
@@ -197,42 +194,36 @@ def _buckets(docs, params: dedup.Params, readable: int, cpus: int, batch: int) -
                             for c in names}
     for r in range(rounds):
         first, last = r * params.bands // rounds, (r + 1) * params.bands // rounds
-        rows = _gather(docs.map_batches(dedup.band_rows, batch_format="pyarrow", batch_size=batch,
-                                        fn_kwargs={"bands": params.bands, "parts": parts, "first": first, "last": last})
-                       .groupby("part", num_partitions=parts).map_groups(dedup.buckets, batch_format="numpy"))
-        for c in names:
-            if c in rows:
+        for rows in exchange.shuffle(files, _band_map, _bucket_reduce, parts, (params.bands, parts, first, last)):
+            for c in names:
                 out[c].append(rows[c])
     return {c: np.concatenate(v) for c, v in out.items()}
 
 
-def _confirm(texts, nodes: dedup.Nodes, a: np.ndarray, b: np.ndarray, params: dedup.Params, cpus: int,
-             doc_bytes: float, batch: int) -> dedup.Near:
-    """Shuffle 2: route candidate documents to their pairs' partitions, confirm every pair there."""
+def _confirm(files: Sequence[str], nodes: dedup.Nodes, a: np.ndarray, b: np.ndarray, params: dedup.Params,
+             cpus: int, doc_bytes: float) -> dedup.Near:
+    """Exchange 2: route candidate documents to their pairs' partitions, confirm every pair there."""
     import ray
 
     parts = min(dedup.partitions(len(nodes.hi) * doc_bytes, cpus, dedup.CONFIRM_BYTES), len(a))
     routes = dedup.route(nodes, a, b, parts, max_component=max(2, int(dedup.CONFIRM_BYTES // max(doc_bytes, 1))))
     first = np.searchsorted(routes.node, np.arange(len(nodes.hi)))
     count = np.bincount(routes.node, minlength=len(nodes.hi))
-    table = [ray.put((nodes.hi, nodes.lo, first, count, routes.part))]
+    table = ray.put((nodes.hi, nodes.lo, first, count, routes.part))
     pair_slots = [ray.put(slots) for slots in routes.pair_slots]
     rounds = min(_rounds(len(routes.node) * doc_bytes), parts)  # a group of partitions at a time
-    found = []
+    found = [CONFIRM_SCHEMA.empty_table()]
     for r in range(rounds):
         group = (r * parts // rounds, (r + 1) * parts // rounds)
-        routed = texts.map_batches(_routed, batch_format="pyarrow", batch_size=batch,
-                                   fn_kwargs={"table": table, "parts": group})
-        found.append(_gather_table(routed.groupby("part", num_partitions=group[1] - group[0])
-                                   .map_groups(_confirmed, batch_format="pyarrow",
-                                               fn_kwargs={"pair_slots": pair_slots, "params": params}), CONFIRM_SCHEMA))
+        found += exchange.shuffle(files, _route_map, _confirm_reduce, group[1] - group[0], (table, group),
+                                  lambda k: (pair_slots[group[0] + k], params))
     return dedup.resolve(nodes, pa.concat_tables(found), routes.node, params.threshold)
 
 
-def _find_duplicates(docs, texts, params: dedup.Params, readable: int, text_bytes: int, cpus: int, batch: int,
+def _find_duplicates(files: Sequence[str], params: dedup.Params, readable: int, text_bytes: int, cpus: int,
                      lap) -> Found:
-    """Shuffle 1 (buckets), the candidate graph, shuffle 2 (confirm) and the components of confirmed pairs."""
-    rows = _buckets(docs, params, readable, cpus, batch)
+    """Exchange 1 (buckets), the candidate graph, exchange 2 (confirm) and the components of confirmed pairs."""
+    rows = _buckets(files, params, readable, cpus)
     kind = rows["kind"]
     ex, pr = kind == dedup.EXACT, kind == dedup.PAIR
     exact = pa.table({"doc_id": dedup.hex_ids(rows["b_hi"][ex], rows["b_lo"][ex]),
@@ -242,7 +233,7 @@ def _find_duplicates(docs, texts, params: dedup.Params, readable: int, text_byte
     near = dedup.Near(dedup.EDGE_SCHEMA.empty_table(), dedup.NO_NEAR, (np.zeros(0, np.uint64),) * 2,
                       np.zeros(0), np.zeros(0, np.int64))
     if len(a):
-        near = _confirm(texts, nodes, a, b, params, cpus, text_bytes / max(readable, 1), batch)
+        near = _confirm(files, nodes, a, b, params, cpus, text_bytes / max(readable, 1))
     hi = np.concatenate([rows["b_hi"][ex], near.removed_ids[0]])
     lo = np.concatenate([rows["b_lo"][ex], near.removed_ids[1]])
     order = np.lexsort((lo, hi))
@@ -285,18 +276,17 @@ def _run(cfg: CorpusConfig, sources: Sequence[Source], out: Path) -> StageResult
     fp = ingest.Fingerprinter(MinHasher(cfg.num_perm, cfg.seed, cfg.shingle, cfg.shingle_size), bands, rows)
     stage = out / STAGED
     stage.mkdir()
-    docs = _ingest(sources, cfg, fp, cpus, stage)
-    n_docs = docs.count()
+    files, n_docs = _ingest(sources, cfg, fp, cpus, stage)
     lap("ingest_s")
-    n_rejected, text_bytes = shard.write_rejected(docs.map_batches(shard.rejected_rows, batch_format="pyarrow"),
-                                                  out / "rejected.parquet")
+    n_rejected, text_bytes = shard.write_rejected(
+        _staged(files, ("source", "reason", "nbytes")).map_batches(shard.rejected_rows, batch_format="pyarrow"),
+        out / "rejected.parquet")
     if n_rejected == n_docs:
         shard.raise_no_documents(out, len(sources))
     lap("rejected_s")
-    texts = _staged(stage, ingest.STAGED_COLUMNS)
-    found = _find_duplicates(docs, texts, dedup.Params(bands, cfg.shingle, cfg.shingle_size, cfg.threshold),
-                             n_docs - n_rejected, text_bytes, cpus, cfg.batch_size, lap)
-    n_split = shard.write_splits(texts, found.removed, cfg, out)
+    found = _find_duplicates(files, dedup.Params(bands, cfg.shingle, cfg.shingle_size, cfg.threshold),
+                             n_docs - n_rejected, text_bytes, cpus, lap)
+    n_split = shard.write_splits(_staged(files, ingest.STAGED_COLUMNS), found.removed, cfg, out)
     shutil.rmtree(stage)
     shard.write_duplicates(out / "duplicates.parquet", found.exact, found.near.removed)
     shard.write_near_pairs(out / "near_pairs.parquet", found.near.edges)

@@ -12,7 +12,8 @@ decompress transparently (not around Parquet, which compresses internally).
 
 Fingerprints (`fingerprint`, one call per batch): the 128-bit xxh3 of the normalised text (exact
 duplicates) and the document's LSH band keys (near duplicates), computed with the batch kernels of
-`minhash`; the MinHash signature itself is not kept, its band keys are all later steps need.
+`minhash`; the MinHash signature itself is not kept, its band keys are all later steps need. A block's
+documents and fingerprints are staged to one Arrow file (`fingerprint_block`) that every later pass reads.
 """
 
 from __future__ import annotations
@@ -435,28 +436,35 @@ def fingerprint(batch: pa.Table, fp: Fingerprinter) -> pa.Table:
 
 
 STAGED_COLUMNS = ("doc_id", "id_hi", "id_lo", "text", "source", "reason")
-"""What a staged block keeps of its documents: all the later passes that need the text read it from there."""
+"""The documents' columns of a staged block (what the output splits are written from)."""
+FINGERPRINT_COLUMNS = ("id_hi", "id_lo", "reason", "h_hi", "h_lo", "bands")
+"""The columns the bucket exchange reads of a staged block: no text."""
+BLOCK_SCHEMA = pa.schema([("path", pa.string()), ("rows", pa.int64())])
 
 
 def fingerprint_block(block: pa.Table, fp: Fingerprinter, stage: str, batch_rows: int) -> pa.Table:
-    """Ray Data batch function over a whole block: `fingerprint` it `batch_rows` documents at a time, write its
-    documents (STAGED_COLUMNS) to `stage`/<its first doc_id>.arrow, and return the fingerprints without the text.
+    """Ray Data batch function over a whole block: `fingerprint` it `batch_rows` documents at a time and write its
+    documents and their fingerprints to `stage`/<its first doc_id>.arrow; returns one row (path, rows).
 
-    The text stays on disk, so the materialized dataset of fingerprints holds ~200 bytes per document whatever its
-    length, and the passes that need text (confirming candidates, writing the splits) read the staged blocks again.
-    The name depends only on the block's documents, so a retried task rewrites the same file.
+    Everything per document stays on disk, so the object store holds one row per block whatever the corpus's
+    size, and every later pass reads the staged blocks again: the bucket exchange their fingerprint columns, the
+    confirm exchange and the splits their text (Arrow IPC: no decoding, memory-mapped, a column costs only its
+    bytes). The name depends only on the block's documents, so a retried task rewrites the same file.
     """
     if not block.num_rows:
-        return fingerprint(block, fp).drop_columns(["text"])
+        return BLOCK_SCHEMA.empty_table()
     table = pa.concat_tables([fingerprint(block.slice(s, batch_rows), fp) for s in range(0, block.num_rows, batch_rows)])
     path = f"{stage}/{table.column('doc_id')[0].as_py()}.arrow"
-    staged = table.select(list(STAGED_COLUMNS))
-    with pa.ipc.new_file(path, staged.schema) as writer:  # Arrow IPC: no encoding, memory-mapped back
-        writer.write_table(staged)
-    return table.drop_columns(["text"])
+    with pa.ipc.new_file(path, table.schema) as writer:
+        writer.write_table(table)
+    return pa.table({"path": [path], "rows": [table.num_rows]}, schema=BLOCK_SCHEMA)
+
+
+def open_staged(path: str, columns: Sequence[str]) -> pa.Table:
+    """`columns` of one staged block, memory-mapped (zero-copy: the buffers keep the mapping open)."""
+    return pa.ipc.open_file(pa.memory_map(str(path))).read_all().select(list(columns))
 
 
 def read_staged(items: dict[str, np.ndarray], columns: Sequence[str]) -> pa.Table:
     """Ray Data batch function: the staged blocks named in `items["path"]`, `columns` of them."""
-    return pa.concat_tables([pa.ipc.open_file(pa.memory_map(str(p))).read_all().select(list(columns))
-                             for p in items["path"]])
+    return pa.concat_tables([open_staged(p, columns) for p in items["path"]])
