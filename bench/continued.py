@@ -19,7 +19,7 @@
    the same budget for all; a trial's score is its best epoch's dev accuracy. Beside them the baseline a
    practitioner tries first: TF-IDF + logistic regression (scikit-learn), best of a small grid on the same split.
 
-Writes bench/results/continued.json and prints the table.
+Writes bench/results/continued.json (and .png: loss and dev accuracy against pretraining steps), prints the table.
 """
 
 from __future__ import annotations
@@ -65,7 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ft-examples", type=int, default=2_000)
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "continued.json")
+    p.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "continued.json",
+                   help="the report (its plot: the same name, .png)")
+    p.add_argument("--render", action="store_true", help="only print the table and draw the plot of --json")
     return p.parse_args(argv)
 
 
@@ -257,8 +259,43 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot(report: dict[str, Any], path: Path) -> None:
+    """News validation loss and rotten-tomatoes dev accuracy against news pretraining steps, beside the baselines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    news, rows = report["news_pretraining"], report["finetune"]["rows"]
+    fig, (loss, acc) = plt.subplots(1, 2, figsize=(11, 4.2))
+    loss.plot([c["step"] for c in news["curve"]], [c["val_loss"] for c in news["curve"]], marker="o")
+    loss.set(xlabel="pretraining steps on news", ylabel="validation MLM loss (news)", title="news pretraining")
+    snaps = sorted((0 if name == "random" else int(name.split()[1]), r) for name, r in rows.items()
+                   if name == "random" or name.startswith("news "))
+    acc.errorbar([s for s, _ in snaps], [r["dev_mean"] for _, r in snaps], yerr=[r["dev_std"] for _, r in snaps],
+                 marker="o", capsize=3, label="fine-tuned from the news model (step 0: random initialisation)")
+    a = rows["adapted"]
+    acc.errorbar([news["steps"]], [a["dev_mean"]], yerr=[a["dev_std"]], marker="s", capsize=3, color="tab:green",
+                 linestyle="none", label=f"+ {report['adapt']['steps']} steps on the reviews (pipeline.run)")
+    acc.axhline(report["tfidf"]["best"]["dev"], linestyle="--", color="tab:red", label="TF-IDF + logistic regression")
+    acc.axhline(report["finetune"]["majority_baseline"], linestyle=":", color="tab:gray", label="majority class")
+    acc.set(xlabel="pretraining steps on news", ylabel=f"dev accuracy (mean ± std, {len(report['finetune']['seeds'])}"
+            " seeds)", title="rotten-tomatoes after fine-tuning")
+    acc.legend(fontsize=7)
+    for ax in (loss, acc):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.render:
+        report = json.loads(args.json.read_text())
+        plot(report, args.json.with_suffix(".png"))
+        print(table(report))
+        return 0
     started = time.time()
     from stages.finetune.tasks import majority_baseline, resolve_task
 
@@ -308,6 +345,8 @@ def main(argv=None) -> int:
         "wall_s": round(time.time() - started, 1), "load_average": list(os.getloadavg()),
     }
     emit(report, args.json, table(report))
+    if args.json:
+        plot(report, args.json.with_suffix(".png"))
     return 0
 
 
