@@ -56,6 +56,7 @@ MAX_READ_TASKS = 4096
 BLOCK_BYTES = 12 << 20
 READ_TASK_BYTES = 256 << 20
 EXCHANGE_SHARE = 0.25  # of the object store, what one round of a shuffle may hold (map outputs + reduce inputs)
+STREAM_BYTES = 16 * BLOCK_BYTES  # object store a Ray Data pass may fill: reading runs ahead of fingerprinting
 STAGED = ".staged"  # the documents, an Arrow file per fingerprinted block; removed before the artifact is complete
 Source = tuple[str, int, int]
 """(path, size in bytes, mtime_ns) of one input file."""
@@ -85,20 +86,24 @@ class RawCorpus:
 
 @contextlib.contextmanager
 def _data_context():
-    """Ray Data settings of this stage, restored afterwards (the driver's context is process-wide): blocks of
-    BLOCK_BYTES instead of 128 MiB. Ray Data runs one task per block, so a 100 MB file read into one block would
-    be fingerprinted by one core; 12 MiB keeps every core busy on a 100k-document corpus while the tasks stay few
-    (each costs ~10-20 ms of scheduling, and every pass runs one per block or staged file).
+    """Ray Data settings of this stage, restored afterwards (the driver's context is process-wide).
+
+    - Blocks of BLOCK_BYTES instead of 128 MiB: Ray Data runs one task per block, so a 100 MB file read into one
+      block would be fingerprinted by one core; 12 MiB keeps every core busy on a 100k-document corpus while the
+      tasks stay few (each costs ~10-20 ms of scheduling, and every pass runs one per block or staged file).
+    - At most STREAM_BYTES of the object store per pass: reading is several times faster than fingerprinting, and
+      Ray Data's default budget (a share of the whole store) let read blocks queue up to 0.5 GB at 1M documents.
     """
     import ray
 
     ctx = ray.data.DataContext.get_current()
-    saved = ctx.target_max_block_size
+    saved = ctx.target_max_block_size, ctx.execution_options.resource_limits
     ctx.target_max_block_size = BLOCK_BYTES
+    ctx.execution_options.resource_limits = saved[1].copy(object_store_memory=STREAM_BYTES)
     try:
         yield
     finally:
-        ctx.target_max_block_size = saved
+        ctx.target_max_block_size, ctx.execution_options.resource_limits = saved
 
 
 def _ingest(sources: Sequence[Source], cfg: CorpusConfig, fp: ingest.Fingerprinter, cpus: int,
@@ -168,8 +173,22 @@ class Found:
     picture: report.DedupPicture
 
 
-CONFIRM_SCHEMA = pa.schema([("slot_a", pa.int64()), ("slot_b", pa.int64()), ("similarity", pa.float64()),
-                            ("text_a", pa.large_string()), ("text_b", pa.large_string())])
+CONFIRM_SCHEMA = pa.schema([("slot_a", pa.int64()), ("slot_b", pa.int64()), ("similarity", pa.float64())])
+SNIPPET = 300  # characters of each text examples.json quotes
+
+
+def _snippets(files: Sequence[str], doc_ids: Sequence[str]) -> dict[str, str]:
+    """The first SNIPPET characters of a few documents' texts, read from the staged blocks (ids first, text only
+    where one of them is)."""
+    wanted, out = pa.array(sorted(set(doc_ids)), pa.string()), {}
+    for path in files if len(wanted) else ():
+        ids = ingest.open_staged(path, ("doc_id",)).column("doc_id")
+        hits = pc.is_in(ids, value_set=wanted)
+        if pc.any(hits).as_py():
+            rows = ingest.open_staged(path, ("doc_id", "text")).filter(hits)
+            out.update(zip(rows.column("doc_id").to_pylist(),
+                           pc.utf8_slice_codeunits(rows.column("text"), 0, SNIPPET).to_pylist()))
+    return out
 
 
 def _rounds(nbytes: float) -> int:
@@ -217,7 +236,9 @@ def _confirm(files: Sequence[str], nodes: dedup.Nodes, a: np.ndarray, b: np.ndar
         group = (r * parts // rounds, (r + 1) * parts // rounds)
         found += exchange.shuffle(files, _route_map, _confirm_reduce, group[1] - group[0], (table, group),
                                   lambda k: (pair_slots[group[0] + k], params))
-    return dedup.resolve(nodes, pa.concat_tables(found), routes.node, params.threshold)
+    near = dedup.resolve(nodes, pa.concat_tables(found), routes.node, params.threshold)
+    exchange.release_memory()
+    return near
 
 
 def _find_duplicates(files: Sequence[str], params: dedup.Params, readable: int, text_bytes: int, cpus: int,
@@ -226,20 +247,23 @@ def _find_duplicates(files: Sequence[str], params: dedup.Params, readable: int, 
     rows = _buckets(files, params, readable, cpus)
     kind = rows["kind"]
     ex, pr = kind == dedup.EXACT, kind == dedup.PAIR
-    exact = pa.table({"doc_id": dedup.hex_ids(rows["b_hi"][ex], rows["b_lo"][ex]),
+    exact_hi, exact_lo, bucket_sizes = rows["b_hi"][ex], rows["b_lo"][ex], rows["size"][kind == dedup.BUCKET]
+    exact = pa.table({"doc_id": dedup.hex_ids(exact_hi, exact_lo),
                       "kept_doc_id": dedup.hex_ids(rows["a_hi"][ex], rows["a_lo"][ex])})
     nodes, a, b = dedup.candidate_graph(rows["a_hi"][pr], rows["a_lo"][pr], rows["b_hi"][pr], rows["b_lo"][pr])
+    del rows, kind, ex, pr  # a row per (bucket, band) pair: not kept while the confirm exchange runs
+    exchange.release_memory()
     lap("buckets_s")
     near = dedup.Near(dedup.EDGE_SCHEMA.empty_table(), dedup.NO_NEAR, (np.zeros(0, np.uint64),) * 2,
                       np.zeros(0), np.zeros(0, np.int64))
     if len(a):
         near = _confirm(files, nodes, a, b, params, cpus, text_bytes / max(readable, 1))
-    hi = np.concatenate([rows["b_hi"][ex], near.removed_ids[0]])
-    lo = np.concatenate([rows["b_lo"][ex], near.removed_ids[1]])
+    hi = np.concatenate([exact_hi, near.removed_ids[0]])
+    lo = np.concatenate([exact_lo, near.removed_ids[1]])
     order = np.lexsort((lo, hi))
     group_sizes = pc.value_counts(exact.column("kept_doc_id")).field("counts").to_numpy() + 1
     picture = report.DedupPicture(params.threshold, near.candidate_similarity, group_sizes, near.cluster_sizes,
-                                  rows["size"][kind == dedup.BUCKET])
+                                  bucket_sizes)
     lap("confirm_s")
     return Found(exact, near, (hi[order], lo[order]), picture)
 
@@ -287,6 +311,8 @@ def _run(cfg: CorpusConfig, sources: Sequence[Source], out: Path) -> StageResult
     found = _find_duplicates(files, dedup.Params(bands, cfg.shingle, cfg.shingle_size, cfg.threshold),
                              n_docs - n_rejected, text_bytes, cpus, lap)
     n_split = shard.write_splits(_staged(files, ingest.STAGED_COLUMNS), found.removed, cfg, out)
+    quoted = report.example_pairs(found.near.edges)
+    snippets = _snippets(files, quoted.column("a").to_pylist() + quoted.column("b").to_pylist())
     shutil.rmtree(stage)
     shard.write_duplicates(out / "duplicates.parquet", found.exact, found.near.removed)
     shard.write_near_pairs(out / "near_pairs.parquet", found.near.edges)
@@ -295,7 +321,7 @@ def _run(cfg: CorpusConfig, sources: Sequence[Source], out: Path) -> StageResult
                            found.near.removed.num_rows, found.near.edges.num_rows, found.picture)
     timings["total_s"] = round(sum(timings.values()), 3)
     logged = report.write(out, report.build(cfg, sources, counts, timings, text_bytes, bands, rows, dedup.MAX_BUCKET),
-                          found.picture, found.exact, found.near.edges)
+                          found.picture, found.exact, found.near.edges, snippets)
     metrics = {
         "duplicate_fraction": (counts["exact_duplicates_removed"] + counts["near_duplicates_removed"]) / n_docs,
         "rejected_fraction": n_rejected / n_docs,

@@ -19,8 +19,8 @@ survivors is split by a per-band hash of the id, so pairs separated in one band 
 Memory: a map task holds one batch (corpus.batch_size documents, times `bands` small rows); a bucket
 partition holds ~PARTITION_BYTES of band rows plus the pairs of its buckets (at most MAX_BUCKET^2/2 per
 bucket chunk); a confirm partition holds ~CONFIRM_BYTES of candidate text and its shingle sets (8 bytes
-per distinct shingle); a component bigger than that is spread over partitions pair by pair, its
-documents copied where their pairs go. Partition counts follow the data (bytes / budget, at least two
+per distinct shingle); a component bigger than that is spread over partitions by the first document of
+each pair (a hub's pairs one by one), its documents copied where their pairs go. Partition counts follow the data (bytes / budget, at least two
 per CPU). The driver, and the tables broadcast to tasks, hold only duplicate-shaped data: exact-group
 members, candidate pairs, one route entry per candidate document, confirmed pairs, the removed ids.
 None of it grows with the corpus, only with its duplicates.
@@ -40,11 +40,10 @@ MAX_BUCKET = 64
 PARTITION_BYTES = 64 << 20  # band rows per bucket partition
 CONFIRM_BYTES = 16 << 20  # candidate text per confirm partition (its shingle sets take ~8x that)
 MAX_PARTITIONS = 1000
-SNIPPET = 300
+MAX_FAN = 64  # pairs of one document routed to its own confirm partition; a hub's further pairs are spread
 BAND_ROW_BYTES = 45  # part, key, band, id (2 x u64), text hash (2 x u64)
 EXACT, PAIR, BUCKET = 0, 1, 2
-EDGE_SCHEMA = pa.schema([("a", pa.string()), ("b", pa.string()), ("similarity", pa.float64()),
-                         ("text_a", pa.large_string()), ("text_b", pa.large_string())])
+EDGE_SCHEMA = pa.schema([("a", pa.string()), ("b", pa.string()), ("similarity", pa.float64())])
 
 
 @dataclass(frozen=True)
@@ -222,13 +221,20 @@ class Routes:
     pair_slots: list[tuple[np.ndarray, np.ndarray]]  # per partition: (slot_a, slot_b)
 
 
-def route(nodes: Nodes, a: np.ndarray, b: np.ndarray, parts: int, max_component: int) -> Routes:
-    """A component's pairs go to one partition (by a hash of its root); a bigger one's pair by pair."""
-    labels = connected_components(a, b, len(nodes.hi))
+def route(nodes: Nodes, a: np.ndarray, b: np.ndarray, parts: int, max_component: int,
+          labels: np.ndarray | None = None) -> Routes:
+    """A component's pairs go to one partition (by a hash of its root); a bigger one's by their first document
+    (a hash of it), so a document is copied only to the partitions of its neighbours with smaller ids (routed pair
+    by pair, it would be copied to about as many partitions as it has pairs), except the pairs of a document
+    that is the first of more than MAX_FAN: those go pair by pair, so no partition gets a hub's every neighbour.
+    `labels`: the candidate graph's connected components, if already known."""
+    labels = connected_components(a, b, len(nodes.hi)) if labels is None else labels
     size = np.bincount(labels, minlength=len(labels))
-    code = a * len(labels) + b
     spread = size[labels[a]] > max_component
-    part = np.where(spread, mix64(code.astype(np.uint64), 2), mix64(labels[a].astype(np.uint64), 3)) % np.uint64(parts)
+    hub = np.bincount(a, minlength=len(labels))[a] > MAX_FAN
+    part = np.where(~spread, mix64(labels[a].astype(np.uint64), 3),
+                    np.where(hub, mix64((a * len(labels) + b).astype(np.uint64), 2), mix64(a.astype(np.uint64), 3)))
+    part = part % np.uint64(parts)
     part = part.astype(np.int64)
     entries = np.unique(np.concatenate([a * parts + part, b * parts + part]))  # sorted by (node, part)
     slot_a = np.searchsorted(entries, a * parts + part)
@@ -257,8 +263,8 @@ def route_rows(batch: pa.Table, nodes_hi: np.ndarray, nodes_lo: np.ndarray, firs
 def confirm(rows: pa.Table, slot_a: np.ndarray, slot_b: np.ndarray, params: Params) -> pa.Table:
     """One confirm partition (rows: part, slot, text): exact Jaccard of every candidate pair routed to it.
 
-    Returns every pair's similarity (the report histograms rejected candidates too) and, for the
-    confirmed ones (>= threshold), the first SNIPPET characters of both texts (null otherwise).
+    Returns every pair's similarity (the report histograms rejected candidates too); no text: the few pairs
+    the report quotes are read again once they are chosen, so the driver never holds text per confirmed pair.
     """
     part = rows.column("part")[0].as_py()
     slots = rows.column("slot").to_numpy()
@@ -267,17 +273,9 @@ def confirm(rows: pa.Table, slot_a: np.ndarray, slot_b: np.ndarray, params: Para
     local_b = order[np.minimum(np.searchsorted(slots[order], slot_b), len(slots) - 1)]
     if not (np.array_equal(slots[local_a], slot_a) and np.array_equal(slots[local_b], slot_b)):
         raise RuntimeError(f"confirm partition {part} lacks documents of its pairs (routing bug)")
-    texts = rows.column("text")
-    norms = [normalize(t) for t in texts.to_pylist()]
-    sim = jaccard_pairs(*shingle_sets(norms, params.shingle, params.shingle_size), local_a, local_b)
-    ok = sim >= params.threshold
-    snippets = {}
-    for name, local in (("text_a", local_a), ("text_b", local_b)):
-        cut = pc.utf8_slice_codeunits(texts.take(pa.array(local[ok])), 0, SNIPPET).combine_chunks()
-        cut = cut.cast(pa.large_string())
-        snippets[name] = pc.replace_with_mask(pa.nulls(len(sim), pa.large_string()), pa.array(ok), cut)
-    return pa.table({"slot_a": pa.array(slot_a), "slot_b": pa.array(slot_b), "similarity": pa.array(sim),
-                     **snippets})
+    sets = shingle_sets([normalize(t) for t in rows.column("text").to_pylist()], params.shingle, params.shingle_size)
+    sim = jaccard_pairs(*sets, local_a, local_b)
+    return pa.table({"slot_a": pa.array(slot_a), "slot_b": pa.array(slot_b), "similarity": pa.array(sim)})
 
 
 def clusters(a: np.ndarray, b: np.ndarray, sim: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -321,10 +319,7 @@ def resolve(nodes: Nodes, pairs: pa.Table, slot_node: np.ndarray, threshold: flo
     sim = pairs.column("similarity").to_numpy()
     ok = np.flatnonzero(sim >= threshold)
     ok = ok[np.lexsort((b[ok], a[ok]))]  # node order is doc_id order
-    take = pa.array(ok)
-    edges = pa.table({"a": nodes.doc_ids(a[ok]), "b": nodes.doc_ids(b[ok]), "similarity": sim[ok],
-                      "text_a": pairs.column("text_a").take(take), "text_b": pairs.column("text_b").take(take)},
-                     schema=EDGE_SCHEMA)
+    edges = pa.table({"a": nodes.doc_ids(a[ok]), "b": nodes.doc_ids(b[ok]), "similarity": sim[ok]}, schema=EDGE_SCHEMA)
     gone, survivor, similarity = clusters(a[ok], b[ok], sim[ok], len(nodes.hi))
     removed = pa.table({"doc_id": nodes.doc_ids(gone), "kept_doc_id": nodes.doc_ids(survivor),
                         "similarity": pa.array(similarity, pa.float64())})

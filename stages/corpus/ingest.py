@@ -427,7 +427,7 @@ def fingerprint(batch: pa.Table, fp: Fingerprinter) -> pa.Table:
     h_hi, h_lo = np.zeros(n, np.uint64), np.zeros(n, np.uint64)
     h_hi[keep], h_lo[keep] = split_key([xxhash.xxh3_128_intdigest(t.encode()) for t in kept])
     keys = np.zeros((n, fp.bands), np.uint64)
-    keys[keep] = band_keys(fp.hasher.signatures(kept), fp.bands, fp.rows)  # (N, B)
+    keys[keep] = band_keys(fp.hasher.signatures(kept, fp.bands * fp.rows), fp.bands, fp.rows)  # (N, B)
     nbytes = pc.fill_null(pc.binary_length(batch.column("text")), 0).cast(pa.int64())
     return (batch.set_column(batch.schema.get_field_index("reason"), "reason", pa.array(reasons, pa.string()))
             .append_column("h_hi", pa.array(h_hi)).append_column("h_lo", pa.array(h_lo))

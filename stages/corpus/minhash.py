@@ -149,9 +149,22 @@ def batch_shingles(norm_texts: Sequence[str], kind: str = "char", size: int = 5)
 
 def shingle_sets(norm_texts: Sequence[str], kind: str = "char", size: int = 5) -> tuple[np.ndarray, np.ndarray]:
     """Sorted unique shingle hashes of every text, CSR-shaped, built a group of texts at a time (peak
-    memory: the sets, 8 bytes per distinct shingle, plus one group's temporaries)."""
-    parts = [unique_sets(*_shingles(norm_texts[c], kind, size)) for c in _chunks(norm_texts)]
-    return _concat(parts or [_shingles([], kind, size)])
+    memory: the sets, 8 bytes per distinct shingle, plus one group's temporaries). Character shingles are
+    written straight into one array sized by their count (an upper bound of the sets'), not gathered and
+    then concatenated, which would hold the sets twice."""
+    chunks = _chunks(norm_texts)
+    if kind != "char" or not chunks:
+        return _concat([unique_sets(*_shingles(norm_texts[c], kind, size)) for c in chunks]
+                       or [_shingles([], kind, size)])
+    lengths = np.fromiter(map(len, norm_texts), dtype=np.int64, count=len(norm_texts))
+    values = np.empty(int(np.where(lengths >= size, lengths - size + 1, np.minimum(lengths, 1)).sum()), np.uint64)
+    offsets, filled = [np.zeros(1, np.int64)], 0
+    for c in chunks:
+        v, o = unique_sets(*_shingles(norm_texts[c], kind, size))
+        values[filled:filled + len(v)] = v
+        offsets.append(o[1:] + filled)
+        filled += len(v)
+    return values[:filled], np.concatenate(offsets)
 
 
 def _shingles(norm_texts: Sequence[str], kind: str, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -288,28 +301,30 @@ class MinHasher:
         object.__setattr__(self, "_a", a[:, None])  # (P, 1)
         object.__setattr__(self, "_b", b[:, None])  # (P, 1)
 
-    def signatures_of_hashes(self, hashes: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-        """(N, num_perm) uint32 MinHash of CSR shingle hashes; all-ones for an empty segment."""
-        n = len(offsets) - 1
-        sig = np.full((n, self.num_perm), 0xFFFFFFFF, dtype=np.uint32)
+    def signatures_of_hashes(self, hashes: np.ndarray, offsets: np.ndarray, perms: int | None = None) -> np.ndarray:
+        """(N, perms) uint32 MinHash of CSR shingle hashes, the first `perms` (default all) permutations;
+        all-ones for an empty segment."""
+        n, perms = len(offsets) - 1, self.num_perm if perms is None else perms
+        a, b = self._a[:perms], self._b[:perms]  # (perms, 1)
+        sig = np.full((n, perms), 0xFFFFFFFF, dtype=np.uint32)
         counts = np.diff(offsets)
         doc_of = np.repeat(np.arange(n), counts)
         x = (hashes >> np.uint64(32)).astype(np.uint32)[None, :]  # (1, S)
-        buf = np.empty((self.num_perm, min(SIGNATURE_CHUNK, max(x.shape[1], 1))), dtype=np.uint32)
+        buf = np.empty((perms, min(SIGNATURE_CHUNK, max(x.shape[1], 1))), dtype=np.uint32)
         for c0 in range(0, x.shape[1], SIGNATURE_CHUNK):
             c1 = min(c0 + SIGNATURE_CHUNK, x.shape[1])
             vals = buf[:, :c1 - c0]
-            np.multiply(self._a, x[:, c0:c1], out=vals)  # (P, c), wraps mod 2^32
-            vals += self._b
+            np.multiply(a, x[:, c0:c1], out=vals)  # (P, c), wraps mod 2^32
+            vals += b
             docs = np.arange(doc_of[c0], doc_of[c1 - 1] + 1)
             docs = docs[counts[docs] > 0]
             mins = np.minimum.reduceat(vals, np.maximum(offsets[docs], c0) - c0, axis=1)  # (P, docs in chunk)
             sig[docs] = np.minimum(sig[docs], mins.T)
         return sig
 
-    def signatures(self, norm_texts: Sequence[str]) -> np.ndarray:
-        """(N, num_perm) uint32 signatures of normalised texts."""
-        return self.signatures_of_hashes(*batch_shingles(norm_texts, self.shingle, self.shingle_size))
+    def signatures(self, norm_texts: Sequence[str], perms: int | None = None) -> np.ndarray:
+        """(N, perms) uint32 signatures of normalised texts (the first `perms` permutations, default all)."""
+        return self.signatures_of_hashes(*batch_shingles(norm_texts, self.shingle, self.shingle_size), perms)
 
     def signature_of_hashes(self, hashes: np.ndarray) -> np.ndarray:
         """(num_perm,) uint32 MinHash of one set (or multiset) of uint64 shingle hashes."""

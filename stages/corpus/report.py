@@ -101,17 +101,24 @@ def plot(picture: DedupPicture, path: Path) -> None:
     plt.close(fig)
 
 
-def examples(exact: pa.Table, edges: pa.Table) -> list[dict]:
-    """A few duplicate pairs for report readers and MLflow: near pairs spanning the similarity range."""
+def example_pairs(edges: pa.Table) -> pa.Table:
+    """The near pairs examples.json quotes: a few spanning the similarity range."""
+    if not edges.num_rows:
+        return edges
+    order = np.argsort(edges.column("similarity").to_numpy(), kind="stable")
+    return edges.take(pa.array(np.unique(order[np.linspace(0, len(order) - 1, min(EXAMPLE_PAIRS, len(order)))
+                                               .astype(int)])))
+
+
+def examples(exact: pa.Table, edges: pa.Table, snippets: dict[str, str]) -> list[dict]:
+    """A few duplicate pairs for report readers and MLflow: two exact groups, and the near pairs of
+    `example_pairs` with the first characters of both texts (`snippets`, by doc_id)."""
     exact = exact.sort_by("doc_id")
     out = [{"kind": "exact", "similarity": 1.0, "doc_a": row["kept_doc_id"], "doc_b": row["doc_id"]}
            for row in exact.slice(0, 2).to_pylist()]
-    if edges.num_rows:
-        order = np.argsort(edges.column("similarity").to_numpy(), kind="stable")
-        picks = np.unique(order[np.linspace(0, len(order) - 1, min(EXAMPLE_PAIRS, len(order))).astype(int)])
-        for row in edges.take(pa.array(picks)).to_pylist():
-            out.append({"kind": "near", "similarity": round(row["similarity"], 4), "doc_a": row["a"],
-                        "doc_b": row["b"], "text_a": row["text_a"], "text_b": row["text_b"]})
+    for row in example_pairs(edges).to_pylist():
+        out.append({"kind": "near", "similarity": round(row["similarity"], 4), "doc_a": row["a"], "doc_b": row["b"],
+                    "text_a": snippets.get(row["a"]), "text_b": snippets.get(row["b"])})
     return out
 
 
@@ -143,12 +150,13 @@ def build(cfg: CorpusConfig, sources: Sequence[tuple[str, int, int]], counts: di
     }
 
 
-def write(out: Path, report: dict, picture: DedupPicture, exact: pa.Table, edges: pa.Table) -> tuple[str, ...]:
+def write(out: Path, report: dict, picture: DedupPicture, exact: pa.Table, edges: pa.Table,
+          snippets: dict[str, str]) -> tuple[str, ...]:
     """report.json (with the dedup picture and the shards' bytes), examples.json and dedup.png; returns their names."""
     shards = {f"parquet_{split}": sum(f.stat().st_size for f in (out / split).glob("*.parquet"))
               for split in ("train", "validation")}
     report = {**report, "bytes": {**report.get("bytes", {}), **shards}, "dedup": picture.summary()}
     (out / REPORT).write_text(json.dumps(report, indent=2, sort_keys=True))
-    (out / EXAMPLES).write_text(json.dumps(examples(exact, edges), indent=2, ensure_ascii=False))
+    (out / EXAMPLES).write_text(json.dumps(examples(exact, edges, snippets), indent=2, ensure_ascii=False))
     plot(picture, out / PLOT)
     return REPORT, EXAMPLES, PLOT

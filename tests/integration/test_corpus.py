@@ -167,7 +167,16 @@ def test_counts_add_up_and_report_matches(first_run):
     assert c["exact_duplicates_removed"] + c["near_duplicates_removed"] == len(dups)
     report = json.loads((out / "report.json").read_text())
     assert report["counts"] == c and report["timings"]["total_s"] > 0
-    assert json.loads((out / "examples.json").read_text())  # a few pairs for MLflow
+    examples = json.loads((out / "examples.json").read_text())  # a few pairs for MLflow
+    near = [e for e in examples if e["kind"] == "near"]
+    assert near and all(e["doc_a"] < e["doc_b"] for e in near)
+    kept = {r["doc_id"]: r["text"] for split in ("train", "validation") for f in (out / split).glob("*.parquet")
+            for r in pq.read_table(f).to_pylist()}
+    for e in near:  # quoted from the documents themselves: a survivor's text is in the output
+        for side in ("a", "b"):
+            if e[f"doc_{side}"] in kept:
+                assert e[f"text_{side}"] == kept[e[f"doc_{side}"]][:300]
+            assert e[f"text_{side}"]
     assert set(result.log_files) == {"report.json", "examples.json", "dedup.png"}
     assert (out / "dedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     picture = report["dedup"]  # the numbers behind the plot agree with the counts

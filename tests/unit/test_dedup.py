@@ -77,18 +77,24 @@ def test_connected_components_label_each_node_with_its_smallest_member():
 
 
 def test_route_keeps_small_components_whole_and_spreads_big_ones():
-    # component {0..3} (small), component {4..40} (a star: big), pairs a < b
-    a = np.array([0, 1, 2] + [4] * 36)
-    b = np.array([1, 2, 3] + list(range(5, 41)))
-    nodes = dedup.Nodes(np.zeros(41, np.uint64), np.arange(41, dtype=np.uint64))
+    # component {0..3} (small), component {4..204} (a star: big, its hub past MAX_FAN), pairs a < b,
+    # component {205..256} (big: a chain, whose end 244 is the first of 12 pairs, not a hub)
+    a = np.array([0, 1, 2] + [4] * 200 + list(range(205, 244)) + [244] * 12)
+    b = np.array([1, 2, 3] + list(range(5, 205)) + list(range(206, 245)) + list(range(245, 257)))
+    nodes = dedup.Nodes(np.zeros(257, np.uint64), np.arange(257, dtype=np.uint64))
     routes = dedup.route(nodes, a, b, parts=4, max_component=10)
+    assert 200 > dedup.MAX_FAN
     seen = []
     for part, (sa, sb) in enumerate(routes.pair_slots):
         assert (routes.part[sa] == part).all() and (routes.part[sb] == part).all()  # both ends routed there
         seen += list(zip(routes.node[sa].tolist(), routes.node[sb].tolist()))
     assert sorted(seen) == sorted(zip(a.tolist(), b.tolist()))  # every pair confirmed exactly once
     assert len(set(routes.part[np.isin(routes.node, [0, 1, 2, 3])])) == 1
-    assert len(set(routes.part[routes.node >= 4])) > 1 and (routes.node == 4).sum() > 1  # the hub goes everywhere
+    star = (routes.node >= 4) & (routes.node <= 204)
+    assert len(set(routes.part[star])) > 1 and (routes.node == 4).sum() > 1  # the hub goes everywhere
+    chain = routes.node >= 205  # by first document: each one is in its own partition and at most one other
+    assert len(set(routes.part[chain])) > 1 and np.bincount(routes.node[chain]).max() <= 2
+    assert (routes.node == 244).sum() <= 2  # its 12 pairs in its own partition, not in every one
 
 
 def test_route_rows_send_each_candidate_document_to_its_partitions():
@@ -103,7 +109,7 @@ def test_route_rows_send_each_candidate_document_to_its_partitions():
                                                             ("two", 3, 0)]
 
 
-def test_confirm_computes_exact_jaccard_and_snippets_of_confirmed_pairs():
+def test_confirm_computes_exact_jaccard_of_every_pair_and_returns_no_text():
     texts = ["the quick brown fox jumps over the lazy dog", "the quick brown fox jumps over the lazy cat",
              "something else entirely, unrelated"]
     rows = pa.table({"part": pa.array([2, 2, 2], pa.int32()), "slot": [12, 10, 11], "text": texts})
@@ -116,7 +122,8 @@ def test_confirm_computes_exact_jaccard_and_snippets_of_confirmed_pairs():
 
     assert out.column("similarity").to_pylist() == pytest.approx([exact(texts[0], texts[1]),
                                                                   exact(texts[0], texts[2])], abs=1e-12)
-    assert out.column("text_a").to_pylist() == [texts[0], None] and out.column("text_b").to_pylist()[0] == texts[1]
+    assert out.column_names == ["slot_a", "slot_b", "similarity"]  # the driver holds no text per pair
+    assert out.column("slot_a").to_pylist() == [12, 12] and out.column("slot_b").to_pylist() == [10, 11]
     with pytest.raises(RuntimeError, match="routing bug"):
         dedup.confirm(rows, np.array([12]), np.array([99]), params)
 
@@ -126,8 +133,8 @@ def test_components_pick_smallest_id_whatever_the_edge_order():
     results = []
     for perm in itertools.permutations(range(4)):
         rows = [edges[k] for k in perm]
-        table = pa.table({"a": [r[0] for r in rows], "b": [r[1] for r in rows], "similarity": [r[2] for r in rows],
-                          "text_a": [""] * 4, "text_b": [""] * 4}, schema=dedup.EDGE_SCHEMA)
+        table = pa.table({"a": [r[0] for r in rows], "b": [r[1] for r in rows], "similarity": [r[2] for r in rows]},
+                         schema=dedup.EDGE_SCHEMA)
         out = dedup.components(table)
         results.append(dict(zip(out.column("doc_id").to_pylist(),
                                 zip(out.column("kept_doc_id").to_pylist(), out.column("similarity").to_pylist()))))
