@@ -1,11 +1,13 @@
 """Tokenize stage: corpus shards -> packed, fixed-length uint32 token sequences on Ray Data.
 
 Two passes, both fully parallel, and no token passes through Ray's object store. Pack: both splits stream through
-one `from_items(row groups) -> map_batches(PackDocuments)` pass. `PackDocuments` is an actor (one CPU each,
-`TokenizeConfig.num_workers` of them, never more than there are row groups: with fewer row groups each actor takes
-the CPUs of the missing ones and encodes with as many SentencePiece threads) that loads the SentencePiece model
-once, from bytes shipped with it, encodes a batch of documents per SentencePiece call, packs on numpy buffers and
-writes its shards itself (to a staging folder); only shard names and counts come back. Shuffle: the train split is
+one `from_items(row groups) -> map_batches(pack_units)` pass. Each task (one CPU each, at most
+`TokenizeConfig.num_workers` at a time, never more than there are row groups: with fewer row groups each task takes
+the CPUs of the missing ones and encodes with as many SentencePiece threads) builds a `PackDocuments` - the
+SentencePiece model loads from bytes shipped with it in milliseconds, while an actor would need a worker process of
+its own, seconds to start, where tasks run on the workers the earlier stages left warm - encodes a batch of
+documents per SentencePiece call, packs on numpy buffers and writes its shards itself (to a staging folder); only
+shard names and counts come back. Shuffle: the train split is
 rewritten as one seeded, uniform permutation of all its packed sequences, so that consecutive sequences come from
 anywhere in the corpus, however it was ordered (a corpus assembled source by source would otherwise be trained on
 source by source). Validation keeps corpus order (pretraining draws a seeded sample of it).
@@ -14,9 +16,9 @@ The shuffle is a file-based two-pass shuffle (an external sort by random key), c
 index: it keeps the artifact what pretraining already reads - Parquet shards whose every stretch mixes the whole
 corpus, read block by block with one sequential read per block (`stages.pretrain.data`), resumable from the step -
 whereas reading by index needs a memory-mappable fixed-row format and a random read per sequence, which on an
-object store or NFS costs far more than one sequential rewrite here. Pass 1 (in the packing actors): every staged
+object store or NFS costs far more than one sequential rewrite here. Pass 1 (in the packing tasks): every staged
 train sequence gets a uniform random 64-bit key, drawn by a generator seeded by (seed, unit, shard), and each
-staged shard is written sorted by key. Pass 2 (`write_bucket`, one task per output shard): output shard p holds the
+staged shard is written sorted by key. Pass 2 (`write_bucket`, a task per few output shards): output shard p holds the
 keys in [p, p + 1) * 2^64 / P, a contiguous slice of every staged shard (found by binary search in its memory-mapped
 key column), merged and sorted by key. Sorting by independent uniform keys is a uniform permutation, the keys
 depend only on the input and seed, so the same input and seed give the same order; every byte is read and written
@@ -117,9 +119,9 @@ def to_table(rows: np.ndarray, lengths: np.ndarray, doc_ids: Sequence[str],
 
 
 class PackDocuments:
-    """Ray Data callable class: loads the SentencePiece model once per actor, then reads, tokenizes, packs, writes.
+    """Reads, tokenizes, packs and writes the work units of one Ray Data batch (`pack_units`).
 
-    Each input row names one Parquet row group (a work unit); the actor streams it in `batch_size`-document
+    Each input row names one Parquet row group (a work unit); it is streamed in `batch_size`-document
     batches into Parquet shards of at most `rows_per_shard` sequences named after the unit, and returns one
     small row per shard (split, file, sequences, tokens, CPU seconds spent on it). Writing here rather than
     through `write_parquet` keeps token data out of the object store, needs no extra write processes, and gives
@@ -128,7 +130,7 @@ class PackDocuments:
 
     def __init__(self, tokenizer: Tokenizer, max_seq_len: int, batch_size: int, rows_per_shard: int, out: str,
                  threads: int = 1, segment_pairs: bool = False, seed: int = 0):
-        self.tok = tokenizer  # unpickled here from its model bytes: one load per actor
+        self.tok = tokenizer  # unpickled from its model bytes
         self.max_seq_len, self.batch_size, self.rows_per_shard = max_seq_len, batch_size, rows_per_shard
         self.out = Path(out)
         self.threads = threads
@@ -148,7 +150,8 @@ class PackDocuments:
         reader = pq.ParquetFile(path)
         for batch in reader.iter_batches(batch_size=self.batch_size, row_groups=[row_group],
                                          columns=["doc_id", "text"]):
-            texts = pc.fill_null(batch.column("text"), "").to_pylist()
+            texts = batch.column("text")
+            texts = (pc.fill_null(texts, "") if texts.null_count else texts).to_pylist()  # fill_null copies
             ids = self.tok.encode_arrays(texts, num_threads=self.threads)  # SentencePiece's own thread pool
             if self.segment_pairs:
                 yield self.pair_table(batch.column("doc_id").to_pylist(), ids)
@@ -250,6 +253,11 @@ def read_staged(path: str) -> pa.Table:
     return pa.ipc.open_file(pa.memory_map(path)).read_all()
 
 
+def pack_units(units: dict[str, np.ndarray], **kwargs) -> dict[str, list]:
+    """Ray Data batch function: `PackDocuments(**kwargs)` over a batch of work units."""
+    return PackDocuments(**kwargs)(units)
+
+
 def num_workers(cfg: TokenizeConfig) -> int:
     import ray
 
@@ -259,7 +267,7 @@ def num_workers(cfg: TokenizeConfig) -> int:
 
 
 def largest_node_cpus() -> int:
-    """CPUs of the biggest live node: the most one actor can reserve."""
+    """CPUs of the biggest live node: the most one task can reserve."""
     import ray
 
     return max([int(n["Resources"].get("CPU", 0)) for n in ray.nodes() if n.get("Alive")] or [1])
@@ -274,11 +282,10 @@ def row_groups(files: dict[str, Sequence[Path]]) -> list[dict]:
 
 def tokenize_splits(files: dict[str, Sequence[Path]], tok: Tokenizer, cfg: TokenizeConfig, workers: int,
                     out: Path) -> list[dict]:
-    """Row groups -> actors (read, tokenize, pack, write out/<split>/) -> one row per shard, in input order.
+    """Row groups -> tasks (read, tokenize, pack, write out/<split>/) -> one row per shard, in input order.
 
-    The actors read their row groups themselves instead of behind `read_parquet`: Ray Data's file listing task
-    asks for a whole CPU, which actors holding every CPU (workers = CPUs, the default) would starve forever.
-    One pass for both splits pays the actors' start-up once.
+    The tasks read their row groups themselves instead of behind `read_parquet`, which would add a pass (and a
+    file listing task) in front of them. One pass for both splits.
     """
     import ray.data
 
@@ -286,17 +293,16 @@ def tokenize_splits(files: dict[str, Sequence[Path]], tok: Tokenizer, cfg: Token
         (out / split).mkdir()
     units = row_groups(files)
     ds = ray.data.from_items(units, override_num_blocks=len(units))
-    # Workers sized to cores: an actor per unit at most (another would only pay its start-up), and when
-    # units are fewer than workers each actor encodes with the threads (and CPUs) of the ones not started.
-    # Several units per call (about four calls per actor) keep Ray's per-call scheduling out of the way.
-    actors = min(workers, len(units))
-    threads = max(1, min(workers // actors, largest_node_cpus()))
-    ds = ds.map_batches(PackDocuments, batch_size=max(1, len(units) // (4 * actors)), batch_format="numpy",
-                        concurrency=actors, num_cpus=threads,
-                        fn_constructor_kwargs={"tokenizer": tok, "max_seq_len": cfg.max_seq_len,
-                                               "batch_size": cfg.batch_size, "rows_per_shard": cfg.rows_per_shard,
-                                               "out": str(out), "threads": threads,
-                                               "segment_pairs": cfg.segment_pairs, "seed": cfg.seed})
+    # Workers sized to cores: a task per unit at most, and when units are fewer than workers each task
+    # encodes with the threads (and CPUs) of the ones not started. Several units per task (about four
+    # tasks per worker) keep Ray's per-task scheduling out of the way.
+    tasks = min(workers, len(units))
+    threads = max(1, min(workers // tasks, largest_node_cpus()))
+    ds = ds.map_batches(pack_units, batch_size=max(1, len(units) // (4 * tasks)), batch_format="numpy",
+                        concurrency=tasks, num_cpus=threads,
+                        fn_kwargs={"tokenizer": tok, "max_seq_len": cfg.max_seq_len, "batch_size": cfg.batch_size,
+                                   "rows_per_shard": cfg.rows_per_shard, "out": str(out), "threads": threads,
+                                   "segment_pairs": cfg.segment_pairs, "seed": cfg.seed})
     return sorted(ds.iter_rows(), key=lambda shard: shard["file"])  # names sort in input order
 
 
@@ -307,15 +313,16 @@ def bucket_bounds(bucket: int, buckets: int) -> tuple[int, int]:
 
 def write_bucket(items: dict[str, np.ndarray], staged: list[str], buckets: int, out: str) -> dict[str, list]:
     """Pass 2 of the shuffle, one output shard per item: its key range's slice of every staged shard (each sorted by
-    key, so the slice is contiguous), merged and sorted by key -> train/part-<bucket>.parquet."""
+    key, so the slice is contiguous), merged and sorted by key -> train/part-<bucket>.parquet. The staged shards
+    are opened (memory-mapped) once per call, not once per output shard: a call takes several consecutive ones."""
     shards: dict[str, list] = {"split": [], "file": [], "sequences": [], "tokens": [], "cpu_seconds": []}
+    tables = [read_staged(path) for path in staged]
+    keyed = [(t, t.column(KEY).chunk(0).to_numpy() if t.num_rows else np.zeros(0, np.uint64)) for t in tables]
     for bucket in items["bucket"].tolist():
         cpu = time.process_time()
         lo, hi = bucket_bounds(bucket, buckets)
         parts = []
-        for path in staged:
-            table = read_staged(path)
-            keys = table.column(KEY).chunk(0).to_numpy() if table.num_rows else np.zeros(0, np.uint64)
+        for table, keys in keyed:
             a = int(np.searchsorted(keys, np.uint64(lo), "left"))
             b = len(keys) if hi >= 1 << 64 else int(np.searchsorted(keys, np.uint64(hi), "left"))
             if b > a:
@@ -335,8 +342,8 @@ def shuffle_train(shards: list[dict], staged: Path, out: Path, cfg: TokenizeConf
     """Write the staged train shards (each sorted by its random keys) to out/train/ as P = ceil(sequences /
     rows_per_shard) shards of consecutive key ranges: together, all sequences sorted by key (module docstring).
 
-    One Ray Data task per output shard, reading the staged shards from the shared staging folder; nothing but
-    shard names and counts goes through the object store, and the driver holds nothing per sequence."""
+    A Ray Data task per few consecutive output shards, reading the staged shards from the shared staging folder;
+    nothing but shard names and counts goes through the object store, and the driver holds nothing per sequence."""
     import ray.data
 
     (out / "train").mkdir()
@@ -345,8 +352,9 @@ def shuffle_train(shards: list[dict], staged: Path, out: Path, cfg: TokenizeConf
     if not total:
         return []
     buckets = -(-total // cfg.rows_per_shard)
-    ds = ray.data.from_items([{"bucket": p} for p in range(buckets)], override_num_blocks=buckets)
-    ds = ds.map_batches(write_bucket, batch_size=1, batch_format="numpy",
+    calls = min(buckets, 4 * num_workers(cfg))  # about four per worker: each opens every staged shard once
+    ds = ray.data.from_items([{"bucket": p} for p in range(buckets)], override_num_blocks=calls)
+    ds = ds.map_batches(write_bucket, batch_size=-(-buckets // calls), batch_format="numpy",
                         fn_kwargs={"staged": paths, "buckets": buckets, "out": str(out)})
     return sorted(ds.take_all(), key=lambda shard: shard["file"])
 
