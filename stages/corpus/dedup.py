@@ -38,7 +38,7 @@ from stages.corpus.minhash import jaccard_pairs, mix64, normalize, run_pairs, sh
 
 MAX_BUCKET = 64
 PARTITION_BYTES = 64 << 20  # band rows per bucket partition
-CONFIRM_BYTES = 16 << 20  # candidate text per confirm partition (its shingle sets take ~8x that)
+CONFIRM_BYTES = 8 << 20  # candidate text per confirm partition (its shingle sets take ~8x that)
 MAX_PARTITIONS = 1000
 MAX_FAN = 64  # pairs of one document routed to its own confirm partition; a hub's further pairs are spread
 BAND_ROW_BYTES = 45  # part, key, band, id (2 x u64), text hash (2 x u64)
