@@ -10,8 +10,10 @@ plus 8% exact and 4% near copies (1-5% of the words replaced) of random document
 16 JSONL files in a random order. Each size runs `python -m pipeline.run --preset debug --until tokenize` on a
 fresh workdir, of this source tree and of each `--tree` (an older commit, say) one after the other on the same
 corpus, (2 Ray CPUs, the default 2 GB object store) and records per stage, from the run's own log lines:
-wall time, docs/s/core, tokens/s/core, the peak proportional set size (PSS) summed over the run's whole process
-tree (driver, raylet, Ray workers; sampled every 0.5 s) and the bytes Ray spilled (its spill files, sampled).
+wall time, docs/s/core, tokens/s/core, the CPU time of the run's whole process tree (driver, raylet, Ray workers,
+Ray's own daemons; user + system, sampled every 0.5 s), the peak proportional set size (PSS) summed over that tree
+and the bytes Ray spilled (its spill files, sampled). On a shared machine the wall time and the rates per core
+measure the load as much as the code; the CPU seconds (and the peers' CPU seconds) do not.
 
 Side by side in the same run:
 - corpus: datasketch on its fast path (exact dedup by a dict of normalised texts, `MinHash.bulk`, one
@@ -139,14 +141,16 @@ def build_corpus(pool: list[str], n: int, out: Path, seed: int = 0) -> tuple[lis
 # ----------------------------------------------------------------------------------------------- measuring a run
 
 class TreeSampler(threading.Thread):
-    """Every `interval` s: the PSS summed over a process and all its descendants, and the bytes of Ray's spill
-    files under `ray_tmp` (each file's largest size seen, summed: spill files are deleted once read back)."""
+    """Every `interval` s: the PSS summed over a process and all its descendants, their CPU time so far (each
+    process's last reading, so exited ones still count), and the bytes of Ray's spill files under `ray_tmp` (each
+    file's largest size seen, summed: spill files are deleted once read back)."""
 
     def __init__(self, pid: int, ray_tmp: Path, interval: float = 0.5):
         super().__init__(daemon=True)
         self.pid, self.ray_tmp, self.interval = pid, ray_tmp, interval
-        self.samples: list[tuple[float, int, int]] = []  # (time, pss bytes, spilled bytes so far)
+        self.samples: list[tuple[float, int, int, float]] = []  # (time, pss bytes, spilled bytes, cpu s so far)
         self.spill_files: dict[str, int] = {}
+        self.cpu: dict[int, float] = {}
         self.halt = threading.Event()
 
     def _pss(self) -> int:
@@ -161,6 +165,8 @@ class TreeSampler(threading.Thread):
         for p in procs:
             try:
                 total += p.memory_full_info().pss
+                times = p.cpu_times()
+                self.cpu[p.pid] = times.user + times.system
             except psutil.Error:
                 pass
         return total
@@ -178,13 +184,13 @@ class TreeSampler(threading.Thread):
 
     def run(self) -> None:
         while not self.halt.wait(self.interval):
-            self.samples.append((time.time(), self._pss(), self._spilled()))
+            self.samples.append((time.time(), self._pss(), self._spilled(), sum(self.cpu.values())))
 
-    def window(self, start: float, end: float) -> tuple[int, int]:
-        """(peak PSS, bytes spilled) between two times."""
-        inside = [s for s in self.samples if start <= s[0] <= end] or [(0.0, 0, 0)]
-        before = [s[2] for s in self.samples if s[0] < start] or [0]
-        return max(s[1] for s in inside), max(s[2] for s in inside) - before[-1]
+    def window(self, start: float, end: float) -> tuple[int, int, float]:
+        """(peak PSS, bytes spilled, CPU seconds) between two times."""
+        inside = [s for s in self.samples if start <= s[0] <= end] or [(0.0, 0, 0, 0.0)]
+        before = [s for s in self.samples if s[0] < start] or [(0.0, 0, 0, 0.0)]
+        return max(s[1] for s in inside), max(s[2] for s in inside) - before[-1][2], inside[-1][3] - before[-1][3]
 
 
 def run_pipeline(tree: Path, workdir: Path, corpus: Path, cpus: int, store_gb: float, sets: list[str]) -> dict:
@@ -217,8 +223,8 @@ def run_pipeline(tree: Path, workdir: Path, corpus: Path, cpus: int, store_gb: f
            "stages": {}}
     for stage in STAGES:
         t0, t1 = marks[(stage, "running")], marks[(stage, "done in")]
-        peak, spilled = sampler.window(t0, t1)
-        out["stages"][stage] = {"seconds": round(t1 - t0, 1), "peak_pss_gb": round(peak / 1e9, 2),
+        peak, spilled, cpu = sampler.window(t0, t1)
+        out["stages"][stage] = {"seconds": round(t1 - t0, 1), "cpu_s": round(cpu, 1), "peak_pss_gb": round(peak / 1e9, 2),
                                 "spilled_gb": round(spilled / 1e9, 2)}
     return out
 
@@ -238,7 +244,7 @@ def datasketch_pairs(texts: list[str], num_perm: int, threshold: float) -> tuple
 
     from stages.corpus.minhash import normalize
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     survivors: dict[str, int] = {}
     for i, t in enumerate(texts):
         survivors.setdefault(normalize(t), i)
@@ -249,27 +255,28 @@ def datasketch_pairs(texts: list[str], num_perm: int, threshold: float) -> tuple
         for i, m in enumerate(sigs):
             session.insert(i, m)
     pairs = {(index[min(i, j)], index[max(i, j)]) for i, m in enumerate(sigs) for j in lsh.query(m) if j != i}
-    return time.perf_counter() - start, pairs
+    return time.perf_counter() - start, time.process_time() - cpu, pairs
 
 
 def datasketch_peer(texts: list[str], num_perm: int, threshold: float) -> dict:
-    seconds, pairs = datasketch_pairs(texts, num_perm, threshold)
-    return {"documents": len(texts), "seconds": round(seconds, 1), "docs_per_s_per_core": round(len(texts) / seconds),
+    seconds, cpu, pairs = datasketch_pairs(texts, num_perm, threshold)
+    return {"documents": len(texts), "seconds": round(seconds, 1), "cpu_s": round(cpu, 1),
+            "docs_per_s_per_core": round(len(texts) / seconds), "docs_per_cpu_s": round(len(texts) / cpu),
             "candidate_pairs": len(pairs)}
 
 
-def _encode_files(vocab: str, files: list[str]) -> tuple[int, float]:
-    """Pool worker: read the files' text and encode it with SentencePiece, one thread; (tokens, seconds)."""
+def _encode_files(vocab: str, files: list[str]) -> tuple[int, float, float]:
+    """Pool worker: read the files' text and encode it with SentencePiece, one thread; (tokens, seconds, CPU s)."""
     import pyarrow.parquet as pq
 
     from core.tokenizer import Tokenizer
 
     tok = Tokenizer.load(vocab)
-    start, tokens = time.perf_counter(), 0
+    start, cpu, tokens = time.perf_counter(), time.process_time(), 0
     for f in files:
         for batch in pq.ParquetFile(f).iter_batches(batch_size=256, columns=["text"]):
             tokens += sum(len(ids) for ids in tok.encode_arrays(batch.column("text").to_pylist(), num_threads=1))
-    return tokens, time.perf_counter() - start
+    return tokens, time.perf_counter() - start, time.process_time() - cpu
 
 
 def encode_peer(vocab: Path, corpus: Path, procs: int) -> dict:
@@ -280,7 +287,7 @@ def encode_peer(vocab: Path, corpus: Path, procs: int) -> dict:
         results = list(pool.map(_encode_files, [str(vocab)] * procs, shares))
     tokens, seconds = sum(r[0] for r in results), max(r[1] for r in results)
     return {"processes": procs, "tokens": tokens, "seconds": round(seconds, 1),
-            "tokens_per_s_per_core": round(tokens / seconds / procs)}
+            "cpu_s": round(sum(r[2] for r in results), 1), "tokens_per_s_per_core": round(tokens / seconds / procs)}
 
 
 def check_sample(texts: list[str], family: np.ndarray, size: int, seed: int = 1) -> np.ndarray:
@@ -381,6 +388,9 @@ def measure(pool: list[str], n: int, root: Path, trees: dict[str, Path], args: a
                                                    / row["datasketch"]["docs_per_s_per_core"], 2),
             "tokenize_tokens_per_s_per_core": round(tokens / st["tokenize"]["seconds"] / cpus),
             "tokenize_vs_two_processes": round(row["encode_2"]["seconds"] / st["tokenize"]["seconds"], 2),
+            # the same two ratios by CPU time, which another load on the machine does not move
+            "corpus_vs_datasketch_per_cpu_s": round(n / st["corpus"]["cpu_s"] / row["datasketch"]["docs_per_cpu_s"], 2),
+            "tokenize_vs_two_processes_cpu_s": round(row["encode_2"]["cpu_s"] / st["tokenize"]["cpu_s"], 2),
         }
     if not args.keep:
         shutil.rmtree(raw, ignore_errors=True)
@@ -393,19 +403,21 @@ def table(report: dict) -> str:
     lines = [f"{report['cpus']} CPUs, object store {report['object_store_gb']} GB; trees: "
              + ", ".join(f"{k} ({v})" for k, v in report["trees"].items()),
              f"{'docs':>9}{'run':>16}{'stage':>10}{'s':>8}{'peak GB':>9}{'spill GB':>9}{'rate/core':>12}{'peer/core':>11}"
-             f"{'ratio':>7}"]
+             f"{'ratio':>7}{'cpu s':>8}{'cpu ratio':>10}"]
     for row in report["sizes"]:
         for label, run in row["runs"].items():
             st, d = run["pipeline"]["stages"], run["derived"]
             rates = {"corpus": (f"{d['corpus_docs_per_s_per_core']:,} d", f"{row['datasketch']['docs_per_s_per_core']:,} d",
-                                d["corpus_vs_datasketch_per_core"]),
-                     "vocab": ("", "", ""),
+                                d["corpus_vs_datasketch_per_core"], d.get("corpus_vs_datasketch_per_cpu_s", "")),
+                     "vocab": ("", "", "", ""),
                      "tokenize": (f"{d['tokenize_tokens_per_s_per_core'] / 1e6:.2f}M t",
-                                  f"{row['encode_2']['tokens_per_s_per_core'] / 1e6:.2f}M t", d["tokenize_vs_two_processes"])}
+                                  f"{row['encode_2']['tokens_per_s_per_core'] / 1e6:.2f}M t", d["tokenize_vs_two_processes"],
+                                  d.get("tokenize_vs_two_processes_cpu_s", ""))}
             for stage in STAGES:
                 s = st[stage]
                 lines.append(f"{row['documents']:>9,}{label:>16}{stage:>10}{s['seconds']:>8}{s['peak_pss_gb']:>9}"
-                             f"{s['spilled_gb']:>9}{rates[stage][0]:>12}{rates[stage][1]:>11}{rates[stage][2]!s:>7}")
+                             f"{s['spilled_gb']:>9}{rates[stage][0]:>12}{rates[stage][1]:>11}{rates[stage][2]!s:>7}"
+                             f"{s.get('cpu_s', '')!s:>8}{rates[stage][3]!s:>10}")
             steps = ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in run["corpus_timings"].items() if k != "total_s")
             lines.append(f"{'':>25}{'corpus s':>10}  {steps}")
             q = run["quality"]
@@ -413,7 +425,8 @@ def table(report: dict) -> str:
                          f"precision {q['precision']}, recall {q['recall_j>=0.8']}")
     lines.append("rate/core: the stage's documents (d) or content tokens (t) per second per CPU; peer: datasketch's fast "
                  "path (one core) / a plain SentencePiece loop in two processes; ratio: stage over peer per core "
-                 "(tokenize: the peer's wall over the stage's)")
+                 "(tokenize: the peer's wall over the stage's); cpu s: CPU seconds of the run's processes in the stage; "
+                 "cpu ratio: the same ratio by CPU seconds (the peers' own)")
     return "\n".join(lines)
 
 
