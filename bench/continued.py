@@ -242,15 +242,28 @@ def summary(trials: list[dict], name: str) -> dict[str, Any]:
             "dev_std": round(float(np.std(scores, ddof=1)) if len(scores) > 1 else 0.0, 4), "scores": scores}
 
 
+def against_random(rows: dict[str, dict]) -> None:
+    """Each start's gap to random initialisation, and whether it exceeds the seed noise: the larger of the two
+    starts' standard deviations across seeds (the spread a single run of either could land anywhere in)."""
+    base = rows["random"]
+    for name, r in rows.items():
+        if name != "random":
+            r["minus_random"] = round(r["dev_mean"] - base["dev_mean"], 4)
+            r["beyond_seed_noise"] = bool(r["minus_random"] > max(r["dev_std"], base["dev_std"]))
+
+
 def table(report: dict[str, Any]) -> str:
     rows = report["finetune"]["rows"]
     n = len(report["finetune"]["seeds"])
-    lines = [f"| start | pretraining | dev accuracy (mean ± std, {n} seeds) |", "|---|---|---|"]
+    lines = [f"| start | pretraining | dev accuracy (mean ± std, {n} seeds) | minus random | beyond the seed noise |",
+             "|---|---|---|---|---|"]
     for name, r in rows.items():
-        lines.append(f"| {name} | {r['what']} | {r['dev_mean']:.4f} ± {r['dev_std']:.4f} |")
+        gap = "" if name == "random" else f"{r['minus_random']:+.4f}"
+        beyond = "" if name == "random" else ("yes" if r["beyond_seed_noise"] else "no")
+        lines.append(f"| {name} | {r['what']} | {r['dev_mean']:.4f} ± {r['dev_std']:.4f} | {gap} | {beyond} |")
     t = report["tfidf"]["best"]
-    lines.append(f"| TF-IDF + logistic regression | n-grams {tuple(t['ngrams'])}, C={t['C']:g} | {t['dev']:.4f} |")
-    lines.append(f"| majority class | | {report['finetune']['majority_baseline']:.4f} |")
+    lines.append(f"| TF-IDF + logistic regression | n-grams {tuple(t['ngrams'])}, C={t['C']:g} | {t['dev']:.4f} | | |")
+    lines.append(f"| majority class | | {report['finetune']['majority_baseline']:.4f} | | |")
     a = report["adapt"]
     lines += ["", "| review-domain validation MLM loss | value |", "|---|---|",
               f"| released model, as transformers computes it | {a['val_loss_released']:.4f} |",
@@ -293,6 +306,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.render:
         report = json.loads(args.json.read_text())
+        against_random(report["finetune"]["rows"])
         plot(report, args.json.with_suffix(".png"))
         print(table(report))
         return 0
@@ -328,6 +342,7 @@ def main(argv=None) -> int:
         rows["random" if s == 0 else f"news {s}"] = {"what": what, **summary(trials, f"news step {s}")}
     rows["adapted"] = {"what": f"{args.steps} steps on news + {args.adapt_steps} on the reviews (pipeline.run "
                                f"pretrain.init)", **summary(trials, "adapted")}
+    against_random(rows)
     report = {
         "command": " ".join(["python -m bench.continued", *(sys.argv[1:] if argv is None else argv)]),
         "model": {"preset": PRESET, "hidden_size": model.hidden_size, "layers": model.num_hidden_layers,
