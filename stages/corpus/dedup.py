@@ -141,6 +141,10 @@ def buckets(r: dict[str, np.ndarray], max_bucket: int = MAX_BUCKET) -> dict[str,
     i, j, sizes = _bucket_pairs(r, max_bucket)
     swap = (r["id_hi"][i] > r["id_hi"][j]) | ((r["id_hi"][i] == r["id_hi"][j]) & (r["id_lo"][i] > r["id_lo"][j]))
     a, b = np.where(swap, j, i), np.where(swap, i, j)
+    # a pair colliding in several of this partition's bands is sent once (the driver holds every pair row)
+    order = np.lexsort((r["id_lo"][b], r["id_hi"][b], r["id_lo"][a], r["id_hi"][a]))
+    starts, _ = _runs(r["id_hi"][a][order], r["id_lo"][a][order], r["id_hi"][b][order], r["id_lo"][b][order])
+    a, b = a[order[starts]], b[order[starts]]
     kind = np.concatenate([np.full(len(kept), EXACT), np.full(len(a), PAIR), np.full(len(sizes), BUCKET)])
     zeros = np.zeros(len(sizes), np.uint64)
     return {"kind": kind.astype(np.uint8),
@@ -186,10 +190,13 @@ class Nodes:
     def of(cls, hi: np.ndarray, lo: np.ndarray) -> tuple["Nodes", np.ndarray]:
         """The nodes of the ids (hi, lo), and each id's node index."""
         order = np.lexsort((lo, hi))
-        starts, lengths = _runs(hi[order], lo[order])
-        index = np.empty(len(hi), dtype=np.int64)
+        hi, lo = hi[order], lo[order]
+        starts, lengths = _runs(hi, lo)
+        nodes = cls(hi[starts], lo[starts])
+        del hi, lo  # only sorted copies of the caller's arrays: the ids of millions of pair rows
+        index = np.empty(len(order), dtype=np.int64)
         index[order] = np.repeat(np.arange(len(starts)), lengths)
-        return cls(hi[order][starts], lo[order][starts]), index
+        return nodes, index
 
     def doc_ids(self, k: np.ndarray) -> pa.Array:
         return hex_ids(self.hi[k], self.lo[k])
@@ -200,11 +207,23 @@ def hex_ids(hi: np.ndarray, lo: np.ndarray) -> pa.Array:
     return pa.array([f"{h:016x}{l:016x}" for h, l in zip(hi.tolist(), lo.tolist())], pa.string())
 
 
-def candidate_graph(a_hi, a_lo, b_hi, b_lo) -> tuple[Nodes, np.ndarray, np.ndarray]:
-    """Nodes and the distinct pairs (a < b, node indices) of the candidate rows of every band."""
-    nodes, index = Nodes.of(np.concatenate([a_hi, b_hi]), np.concatenate([a_lo, b_lo]))
+def candidate_graph(pairs: np.ndarray) -> tuple[Nodes, np.ndarray, np.ndarray]:
+    """Nodes and the distinct pairs (a < b, node indices) of the candidate rows of every band; `pairs` is
+    (4, P): a_hi, a_lo, b_hi, b_lo. Written to hold few copies of the P rows at once (at a million documents
+    they are millions): pass the array itself, not a name still bound to it, and it is freed once read."""
+    p = pairs.shape[1]
+    hi, lo = pairs[[0, 2]].ravel(), pairs[[1, 3]].ravel()  # a's ids, then b's
+    del pairs
+    nodes, index = Nodes.of(hi, lo)
+    del hi, lo
     n = len(nodes.hi)
-    code = np.unique(index[:len(a_hi)] * n + index[len(a_hi):])  # distinct pairs, sorted
+    code = index[:p] * n
+    code += index[p:]
+    del index
+    code.sort()  # distinct pairs, sorted (np.unique, without its copies)
+    keep = np.ones(len(code), dtype=bool)
+    keep[1:] = code[1:] != code[:-1]
+    code = code[keep]
     return nodes, code // n, code % n
 
 

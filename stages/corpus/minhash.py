@@ -43,7 +43,7 @@ _POLY = np.uint64(0x9E3779B97F4A7C15)  # odd multiplier of the rolling n-gram ha
 _PAD = np.uint64(0xFFFFFFFFFFFFFFFF)  # padding of sorted rows: sorts last (ties with a real max value are harmless)
 SHINGLE_CHUNK = 1 << 18  # characters shingled per numpy pass (a few MiB of uint64 temporaries)
 SIGNATURE_CHUNK = 16_384  # shingles per (P, chunk) product: big enough to amortise numpy calls, fits in L3
-SORT_CELLS = 1 << 22  # padded cells per np.sort(axis=1) call (32 MiB of uint64)
+SORT_CELLS = 1 << 19  # padded cells per np.sort(axis=1) call: 4 MiB of uint64, ~90 MB with the index arrays that fill it
 LOOP_LENGTH = 512  # segments this long are sorted one numpy call each: the call costs < 10% of the sort
 
 # LSH candidates are confirmed by true Jaccard, so a false positive costs one comparison while a

@@ -1,7 +1,10 @@
 """Corpus output: the deterministic train/validation split and the artifact's Parquet files.
 
-train/ and validation/ are written by Ray Data (`write_parquet`, `corpus.rows_per_shard` rows per
-file) from the documents that survive dedup, so document text never passes through the driver.
+train/ and validation/ are written by Ray Data (`write_parquet`) from the documents that survive dedup, so
+document text never passes through the driver: a task per staged block writes that block's survivors as files
+of at most `corpus.rows_per_shard` rows, one row group each (a split's last file of a block is shorter; with
+`min_rows_per_file` Ray Data bundled every block into one task, a one-core write whose memory grew with the
+corpus, and batches smaller than a block became row groups of a few hundred rows, each a tokenize work unit).
 rejected.parquet is streamed from the tasks to one file on the driver a batch at a time;
 duplicates.parquet and near_pairs.parquet are duplicate-shaped and written from the driver.
 
@@ -22,6 +25,7 @@ import xxhash
 
 from core.errors import StageInputError
 from stages.corpus.dedup import find
+from stages.corpus.exchange import release_memory
 
 if TYPE_CHECKING:
     from core.config import CorpusConfig
@@ -72,7 +76,8 @@ def rejected_rows(batch: pa.Table) -> pa.Table:
 def _kept(batch: pa.Table, removed: list, fraction: float, split: str) -> pa.Table:
     import ray
 
-    return split_rows(batch, ray.get(removed[0]), fraction, split)
+    release_memory()  # what the worker's previous tasks freed: a worker runs many of these, each holding a block
+    return split_rows(batch, ray.get(removed[0]), fraction, split).combine_chunks()  # a row group per file
 
 
 def write_splits(docs, removed: tuple[np.ndarray, np.ndarray], cfg: CorpusConfig, out: Path) -> dict[str, int]:
@@ -82,7 +87,7 @@ def write_splits(docs, removed: tuple[np.ndarray, np.ndarray], cfg: CorpusConfig
     ref = [ray.put(removed)]  # in a list: a task gets the reference, and fetches the arrays zero-copy
     rows = {}
     for split in SPLITS:
-        kept = docs.map_batches(_kept, batch_format="pyarrow", batch_size=cfg.batch_size,
+        kept = docs.map_batches(_kept, batch_format="pyarrow", batch_size=None,
                                 fn_kwargs={"removed": ref, "fraction": cfg.validation_fraction, "split": split})
         rows[split] = write_split(kept, out / split, cfg.rows_per_shard)
     return rows
@@ -90,7 +95,7 @@ def write_splits(docs, removed: tuple[np.ndarray, np.ndarray], cfg: CorpusConfig
 
 def write_split(ds, split_dir: Path, rows_per_shard: int) -> int:
     """Write one split's shards; a split with no documents still gets one empty shard (readers see the schema)."""
-    ds.write_parquet(str(split_dir), min_rows_per_file=rows_per_shard, max_rows_per_file=rows_per_shard)
+    ds.write_parquet(str(split_dir), max_rows_per_file=rows_per_shard)
     split_dir.mkdir(parents=True, exist_ok=True)
     if not any(split_dir.glob("*.parquet")):
         pq.write_table(OUT_SCHEMA.empty_table(), split_dir / "empty.parquet")

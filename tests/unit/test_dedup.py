@@ -52,8 +52,8 @@ def test_oversized_buckets_are_chunked_and_chunks_differ_by_band(members):
 
 def test_candidate_graph_deduplicates_pairs_seen_in_several_bands():
     hi = np.zeros(5, np.uint64)
-    nodes, a, b = dedup.candidate_graph(hi, np.array([5, 5, 2, 9, 2], np.uint64), hi,
-                                        np.array([9, 9, 5, 11, 5], np.uint64))
+    nodes, a, b = dedup.candidate_graph(np.stack([hi, np.array([5, 5, 2, 9, 2], np.uint64), hi,
+                                                  np.array([9, 9, 5, 11, 5], np.uint64)]))
     assert nodes.lo.tolist() == [2, 5, 9, 11]
     assert list(zip(a.tolist(), b.tolist())) == [(0, 1), (1, 2), (2, 3)]
     assert nodes.doc_ids(np.array([0])).to_pylist() == [f"{0:016x}{2:016x}"]
