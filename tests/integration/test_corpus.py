@@ -185,7 +185,9 @@ def test_counts_add_up_and_report_matches(first_run):
     for sizes, removed, groups in (("exact_group_sizes", "exact_duplicates_removed", "exact_clusters"),
                                    ("near_cluster_sizes", "near_duplicates_removed", "near_clusters")):
         assert sum(int(k) * v for k, v in picture[sizes].items()) == c[removed] + c[groups]
-    assert all(len(pq.read_table(f)) <= 100 for f in (out / "train").glob("*.parquet"))  # rows_per_shard
+    shards = [pq.ParquetFile(f) for split in ("train", "validation") for f in (out / split).glob("*.parquet")]
+    assert all(f.metadata.num_rows <= 100 for f in shards)  # rows_per_shard
+    assert [f.metadata.num_row_groups for f in shards] == [1] * len(shards)  # one tokenize work unit per file
 
 
 @pytest.mark.ray
