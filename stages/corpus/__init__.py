@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = ["VERSION", "RawCorpus", "Source", "list_sources", "read_file", "doc_id", "is_validation", "run"]
 
-VERSION = "3"
+VERSION = "4"
 
 MAX_READ_TASKS = 4096
 BLOCK_BYTES = 12 << 20
@@ -258,7 +258,7 @@ def _find_duplicates(files: Sequence[str], params: dedup.Params, readable: int, 
     rows = _buckets(files, params, readable, cpus)
     kept_hi, kept_lo, exact_hi, exact_lo = rows.pop("exact")
     bucket_sizes = rows.pop("size")
-    exact = pa.table({"doc_id": dedup.hex_ids(exact_hi, exact_lo), "kept_doc_id": dedup.hex_ids(kept_hi, kept_lo)})
+    exact = pa.table({"doc_id": ingest.hex_ids(exact_hi, exact_lo), "kept_doc_id": ingest.hex_ids(kept_hi, kept_lo)})
     nodes, a, b = dedup.candidate_graph(rows.pop("pair"))  # a row per (bucket, band) pair: freed in there
     exchange.release_memory()
     lap("buckets_s")

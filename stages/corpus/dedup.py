@@ -34,6 +34,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from stages.corpus.ingest import hex_ids
 from stages.corpus.minhash import jaccard_pairs, mix64, normalize, run_pairs, shingle_sets
 
 MAX_BUCKET = 64
@@ -202,11 +203,6 @@ class Nodes:
         return hex_ids(self.hi[k], self.lo[k])
 
 
-def hex_ids(hi: np.ndarray, lo: np.ndarray) -> pa.Array:
-    """doc_id strings of (hi, lo) ids (duplicate-sized lists only: one format call per id)."""
-    return pa.array([f"{h:016x}{l:016x}" for h, l in zip(hi.tolist(), lo.tolist())], pa.string())
-
-
 def candidate_graph(pairs: np.ndarray) -> tuple[Nodes, np.ndarray, np.ndarray]:
     """Nodes and the distinct pairs (a < b, node indices) of the candidate rows of every band; `pairs` is
     (4, P): a_hi, a_lo, b_hi, b_lo. Written to hold few copies of the P rows at once (at a million documents
@@ -292,7 +288,8 @@ def confirm(rows: pa.Table, slot_a: np.ndarray, slot_b: np.ndarray, params: Para
     local_b = order[np.minimum(np.searchsorted(slots[order], slot_b), len(slots) - 1)]
     if not (np.array_equal(slots[local_a], slot_a) and np.array_equal(slots[local_b], slot_b)):
         raise RuntimeError(f"confirm partition {part} lacks documents of its pairs (routing bug)")
-    sets = shingle_sets([normalize(t) for t in rows.column("text").to_pylist()], params.shingle, params.shingle_size)
+    sets = shingle_sets([normalize(t) for t in rows.column("text").to_pylist()], params.shingle, params.shingle_size,
+                        mixed=False)
     sim = jaccard_pairs(*sets, local_a, local_b)
     return pa.table({"slot_a": pa.array(slot_a), "slot_b": pa.array(slot_b), "similarity": pa.array(sim)})
 

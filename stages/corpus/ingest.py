@@ -18,6 +18,7 @@ documents and fingerprints are staged to one Arrow file (`fingerprint_block`) th
 
 from __future__ import annotations
 
+import binascii
 import fnmatch
 import glob
 import json
@@ -356,7 +357,6 @@ def read_file(path: str, opts: CorpusConfig) -> Iterator[Record]:
 
 DOC_SCHEMA = pa.schema([("doc_id", pa.string()), ("id_hi", pa.uint64()), ("id_lo", pa.uint64()),
                         ("text", pa.large_string()), ("source", pa.string()), ("reason", pa.string())])
-_M64 = (1 << 64) - 1
 
 
 def doc_key(source: str, index: int) -> int:
@@ -369,17 +369,24 @@ def doc_id(source: str, index: int) -> str:
     return f"{doc_key(source, index):032x}"
 
 
-def split_key(keys: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """128-bit ints -> (hi, lo) uint64 arrays; (hi, lo) sort exactly like the hex ids."""
-    hi = np.fromiter((k >> 64 for k in keys), dtype=np.uint64, count=len(keys))
-    lo = np.fromiter((k & _M64 for k in keys), dtype=np.uint64, count=len(keys))
-    return hi, lo
+def _hex(digests: bytes, n: int) -> pa.Array:
+    """n concatenated 16-byte big-endian ids -> their 32-digit hex strings, in one pass (no Python str per id)."""
+    return pa.FixedSizeBinaryArray.from_buffers(pa.binary(32), n, [None, pa.py_buffer(binascii.hexlify(digests))]
+                                                ).cast(pa.string())
+
+
+def hex_ids(hi: np.ndarray, lo: np.ndarray) -> pa.Array:
+    """doc_id strings of (hi, lo) ids."""
+    words = np.empty((len(hi), 2), dtype=">u8")
+    words[:, 0], words[:, 1] = hi, lo
+    return _hex(words.tobytes(), len(hi))
 
 
 def _documents(records: list[Record]) -> pa.Table:
-    keys = [doc_key(r.source, r.index) for r in records]
-    hi, lo = split_key(keys)
-    return pa.table({"doc_id": [f"{k:032x}" for k in keys], "id_hi": hi, "id_lo": lo,
+    # doc_key's 128 bits as bytes (its big-endian digest), split into (hi, lo) and hex ids by numpy, not per id
+    digests = b"".join([xxhash.xxh3_128_digest(f"{r.source}\x00{r.index}".encode()) for r in records])
+    words = np.frombuffer(digests, dtype=">u8").reshape(-1, 2).astype(np.uint64)
+    return pa.table({"doc_id": _hex(digests, len(records)), "id_hi": words[:, 0], "id_lo": words[:, 1],
                      "text": [r.text for r in records], "source": [r.source for r in records],
                      "reason": [r.reason for r in records]}, schema=DOC_SCHEMA)
 
@@ -425,7 +432,9 @@ def fingerprint(batch: pa.Table, fp: Fingerprinter) -> pa.Table:
     keep = np.array([i for i, norm in norms.items() if norm], dtype=np.int64)
     kept = [norms[i] for i in keep]
     h_hi, h_lo = np.zeros(n, np.uint64), np.zeros(n, np.uint64)
-    h_hi[keep], h_lo[keep] = split_key([xxhash.xxh3_128_intdigest(t.encode()) for t in kept])
+    if len(keep):
+        digests = np.frombuffer(b"".join([xxhash.xxh3_128_digest(t.encode()) for t in kept]), dtype=">u8")
+        h_hi[keep], h_lo[keep] = digests[0::2], digests[1::2]
     keys = np.zeros((n, fp.bands), np.uint64)
     keys[keep] = band_keys(fp.hasher.signatures(kept, fp.bands * fp.rows), fp.bands, fp.rows)  # (N, B)
     nbytes = pc.fill_null(pc.binary_length(batch.column("text")), 0).cast(pa.int64())
