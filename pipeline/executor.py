@@ -7,6 +7,7 @@ one this run rebuilds, and removes the build directories dead runs left behind.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import shutil
 import sys
@@ -180,9 +181,13 @@ def verify_inputs(plan: list[PlannedStage], store: ArtifactStore, digests: bool)
 
 def execute(cfg: PipelineConfig, plan: list[PlannedStage], objects: dict[str, Any],
             store: ArtifactStore, workdir: Path) -> Outcome:
-    if any(not s.cached for s in plan):  # before any MLflow run exists: a cluster too small leaves none behind
-        _connect_ray(cfg, [s.spec.name for s in plan if not s.cached])
-    lineage = Lineage(workdir)
+    # The tracking store is opened (on a new workdir: its schema created, ~1 s) while Ray starts, both mostly
+    # waiting on other processes; no MLflow run exists before Ray is up, so a cluster too small leaves none behind.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        opening = pool.submit(Lineage, workdir)
+        if any(not s.cached for s in plan):
+            _connect_ray(cfg, [s.spec.name for s in plan if not s.cached])
+        lineage = opening.result()
     parent = lineage.start(f"pipeline-{cfg.preset}", cfg.to_dict(), [s.spec.name for s in plan])
     outcome = Outcome(tracking_uri=lineage.tracking_uri, parent_run_id=parent.run_id)
     for st in plan:
