@@ -286,8 +286,8 @@ def run_tasks(fn, calls: list[list[dict]], num_cpus: int, concurrency: int, what
     time; their returned columns joined into rows; a line of progress every PROGRESS_S seconds.
 
     Ray tasks rather than a Ray Data pipeline: both passes move no data through Ray (every task reads and writes
-    files itself and returns a few counts), so a Dataset would add only its streaming executor - at 1M documents
-    on 2 CPUs the pack pass took 11.1 s under Ray Data and 9.0 s as tasks."""
+    files itself and returns a few counts), so a Dataset would add only its streaming executor's start and polling
+    (bench.scale measures the stage both ways)."""
     import ray
 
     remote = ray.remote(fn).options(num_cpus=num_cpus)

@@ -3,7 +3,7 @@
 Why by hand: datasketch hashes every shingle with SHA-1 in a Python loop and permutes with a modulo
 by a Mersenne prime; here a batch of documents is shingled in a handful of numpy passes (a
 polynomial n-gram hash over code points) and permuted by a multiplication on uint32, so the cost is
-a few nanoseconds per (shingle, permutation) and nothing per document (see bench/dedup.py).
+under a nanosecond per (shingle, permutation) and nothing per document (see bench/dedup.py).
 
 Definitions shared by signatures and the Jaccard check, so the two agree:
 - `normalize(text)`: Unicode NFC, control/format characters and whitespace runs -> one space.
@@ -12,8 +12,8 @@ Definitions shared by signatures and the Jaccard check, so the two agree:
 - signature[i] = min over shingles of (a_i * x) mod 2^32, x the top 32 bits of the (fmix64-mixed)
   shingle hash, a_i odd: multiplying by an odd number permutes the 32-bit words, and x is already a
   well-mixed hash, so the textbook family's "+ b_i" is left out - it was a third pass over the
-  (permutations x shingles) block, a third of the kernel's time, and changed neither the estimator's bias
-  nor its spread (40 seeds on news pairs: both within noise). uint32 products are SIMD in numpy (uint64
+  (permutations x shingles) block, and changes neither the estimator's bias nor its spread
+  (`python -m bench.minhash_family` measures both families). uint32 products are SIMD in numpy (uint64
   ones are not: 4x slower); on real text the estimator's error matches the binomial sqrt(J(1-J)/num_perm)
   with no bias (checked in tests/unit/test_minhash.py), and every candidate is confirmed by exact Jaccard.
 
@@ -46,7 +46,8 @@ _POLY = np.uint64(0x9E3779B97F4A7C15)  # odd multiplier of the rolling n-gram ha
 _PAD = np.uint64(0xFFFFFFFFFFFFFFFF)  # padding of sorted rows: sorts last (ties with a real max value are harmless)
 SHINGLE_CHUNK = 1 << 18  # characters shingled per numpy pass (a few MiB of uint64 temporaries)
 SIGNATURE_CHUNK = 4096  # shingles per (P, chunk) product: a 2 MiB block that stays in a core's L2 between
-# its two passes (multiply, min); 16,384 (8 MiB) ran 1.4x slower per element, 2,048 paid numpy's per-call cost
+# its two passes (multiply, min); 16,384 (8 MiB) is slower per element (bench.minhash_family), 2,048 pays numpy's
+# per-call cost
 SORT_CELLS = 1 << 19  # padded cells per np.sort(axis=1) call: 4 MiB of uint64, ~90 MB with the index arrays that fill it
 LOOP_LENGTH = 512  # segments this long are sorted one numpy call each: the call costs < 10% of the sort
 
