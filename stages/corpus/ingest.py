@@ -359,14 +359,21 @@ DOC_SCHEMA = pa.schema([("doc_id", pa.string()), ("id_hi", pa.uint64()), ("id_lo
                         ("text", pa.large_string()), ("source", pa.string()), ("reason", pa.string())])
 
 
-def doc_key(source: str, index: int) -> int:
-    """The 128-bit id of the index-th record of a file (doc_id is its hex): independent of workers and runs."""
-    return xxhash.xxh3_128_intdigest(f"{source}\x00{index}".encode())
+def doc_digest(source: str, index: int) -> bytes:
+    """The 128-bit id of the index-th record of a file, big-endian (doc_id is its hex): independent of workers and
+    runs."""
+    return xxhash.xxh3_128_digest(f"{source}\x00{index}".encode())
 
 
 def doc_id(source: str, index: int) -> str:
     """Stable id of the index-th record of a file; ids order like their 128-bit values (id_hi, id_lo)."""
-    return f"{doc_key(source, index):032x}"
+    return doc_digest(source, index).hex()
+
+
+def _words(digests: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenated 16-byte big-endian digests -> their (hi, lo) uint64 halves, which sort like the hex ids."""
+    words = np.frombuffer(digests, dtype=">u8").reshape(-1, 2).astype(np.uint64)
+    return words[:, 0], words[:, 1]
 
 
 def _hex(digests: bytes, n: int) -> pa.Array:
@@ -383,10 +390,9 @@ def hex_ids(hi: np.ndarray, lo: np.ndarray) -> pa.Array:
 
 
 def _documents(records: list[Record]) -> pa.Table:
-    # doc_key's 128 bits as bytes (its big-endian digest), split into (hi, lo) and hex ids by numpy, not per id
-    digests = b"".join([xxhash.xxh3_128_digest(f"{r.source}\x00{r.index}".encode()) for r in records])
-    words = np.frombuffer(digests, dtype=">u8").reshape(-1, 2).astype(np.uint64)
-    return pa.table({"doc_id": _hex(digests, len(records)), "id_hi": words[:, 0], "id_lo": words[:, 1],
+    digests = b"".join([doc_digest(r.source, r.index) for r in records])  # split and hexed by numpy, not per id
+    hi, lo = _words(digests)
+    return pa.table({"doc_id": _hex(digests, len(records)), "id_hi": hi, "id_lo": lo,
                      "text": [r.text for r in records], "source": [r.source for r in records],
                      "reason": [r.reason for r in records]}, schema=DOC_SCHEMA)
 
@@ -432,9 +438,7 @@ def fingerprint(batch: pa.Table, fp: Fingerprinter) -> pa.Table:
     keep = np.array([i for i, norm in norms.items() if norm], dtype=np.int64)
     kept = [norms[i] for i in keep]
     h_hi, h_lo = np.zeros(n, np.uint64), np.zeros(n, np.uint64)
-    if len(keep):
-        digests = np.frombuffer(b"".join([xxhash.xxh3_128_digest(t.encode()) for t in kept]), dtype=">u8")
-        h_hi[keep], h_lo[keep] = digests[0::2], digests[1::2]
+    h_hi[keep], h_lo[keep] = _words(b"".join([xxhash.xxh3_128_digest(t.encode()) for t in kept]))
     keys = np.zeros((n, fp.bands), np.uint64)
     keys[keep] = band_keys(fp.hasher.signatures(kept, fp.bands * fp.rows), fp.bands, fp.rows)  # (N, B)
     nbytes = pc.fill_null(pc.binary_length(batch.column("text")), 0).cast(pa.int64())
