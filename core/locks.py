@@ -7,10 +7,12 @@ runs that would build the *same* artifact conflict, and the second refuses befor
 lists the finished artifacts the holder reads while building, so a `--force` rebuild of one of them is refused
 while a live run reads it, and a run refuses to read an artifact another live run is rebuilding.
 
-Mechanism: `os.open(O_CREAT | O_EXCL)`, atomic on local file systems and on NFSv3+ (EFS speaks NFSv4.1), where
-flock/fcntl locks are emulated per client and their recovery after a client dies is the server's business. The
-file holds the holder's pid, host, boot id, process start time and the time it took the lock; it is removed on
-exit (also on an exception or Ctrl-C; a SIGKILLed run leaves it behind, which is what the takeover is for).
+Mechanism: the holder is written to a temporary file, which is then hard-linked to the lock's name - `link` fails
+when the name exists and is atomic on local file systems and on NFS (EFS speaks NFSv4.1), where flock/fcntl locks
+are emulated per client and their recovery after a client dies is the server's business. So the lock file never
+exists half-written: a run that finds it can always name its holder. It holds the holder's pid, host, boot id,
+process start time and the time it took the lock; it is removed on exit (also on an exception or Ctrl-C; a
+SIGKILLed run leaves it behind, which is what the takeover is for).
 
 Liveness: a lock written on this host is stale when its pid is gone, or is now another process (the start time in
 /proc differs), or the machine rebooted since (another boot id); a stale lock is taken over and the takeover is
@@ -32,7 +34,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 UNREADABLE_GRACE_S = 60.0
-"""A lock file without a readable holder is one being written for this long (create, then write), then debris."""
+"""A lock file without a readable holder (not one this module writes: its files appear whole) is left alone for this
+long, then taken over as debris."""
 
 
 def _boot_id() -> str:
@@ -100,14 +103,14 @@ class LockHeld(Exception):
 
     def __init__(self, path: Path, holder: Holder | None):
         self.path, self.holder = path, holder
-        who = holder.describe() if holder else "a run whose lock file is still being written"
+        who = holder.describe() if holder else "an unreadable lock file (damaged, or not written by a run)"
         hint = (f"; if that run is gone (its host cannot be checked from here), re-run with --break-lock"
                 if holder and holder.alive() is None else "")
         super().__init__(f"{who} holds {path}{hint}")
 
 
 def read_holder(path: Path) -> Holder | None:
-    """The lock's holder, or None when the file is missing, empty or not JSON (being written, or debris)."""
+    """The lock's holder, or None when the file is missing, empty or not JSON (damaged, or debris)."""
     try:
         data = json.loads(Path(path).read_text())
         return Holder(**{**data, "reads": tuple(data.get("reads", ()))})
@@ -139,20 +142,25 @@ class Lock:
         return ""
 
 
-def _create(path: Path, holder: Holder) -> bool:
-    """Create the lock file holding `holder`; False if it exists."""
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        return False
+def _written(path: Path, holder: Holder) -> Path:
+    """A new file beside `path` holding `holder`, on disk: what `_create` links to the lock's name."""
+    tmp = path.with_name(f"{path.name}.new-{uuid.uuid4().hex[:8]}")
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     try:
         os.write(fd, holder.to_json().encode())
         os.fsync(fd)
-    except BaseException:
+    finally:
         os.close(fd)
-        path.unlink()
-        raise
-    os.close(fd)
+    return tmp
+
+
+def _create(path: Path, written: Path) -> bool:
+    """Give the written holder file the lock's name; False if the name exists. `link` fails when the name exists,
+    like O_EXCL, and is atomic on local file systems and NFS, so the lock file never exists half-written."""
+    try:
+        os.link(written, path)
+    except FileExistsError:
+        return False
     return True
 
 
@@ -187,17 +195,21 @@ def acquire(path: Path, reads: tuple[str, ...] = (), take_foreign: bool = False)
     path.parent.mkdir(parents=True, exist_ok=True)
     me = Holder.me(reads)
     took_over, unreadable = None, False
-    for _ in range(10):  # each round either creates the file or removes a stale one
-        if _create(path, me):
-            return Lock(path, me, took_over, unreadable)
-        holder = read_holder(path)
-        if holder is not None and holder.is_mine():
-            raise LockHeld(path, holder)  # this process holds it already: a planning error, not a race
-        if not _stale(path, holder, take_foreign):
-            raise LockHeld(path, holder)
-        _remove_stale(path, holder)
-        took_over, unreadable = holder, holder is None
-    raise LockHeld(path, read_holder(path))
+    written = _written(path, me)
+    try:
+        for _ in range(10):  # each round either creates the file or removes a stale one
+            if _create(path, written):
+                return Lock(path, me, took_over, unreadable)
+            holder = read_holder(path)
+            if holder is not None and holder.is_mine():
+                raise LockHeld(path, holder)  # this process holds it already: a planning error, not a race
+            if not _stale(path, holder, take_foreign):
+                raise LockHeld(path, holder)
+            _remove_stale(path, holder)
+            took_over, unreadable = holder, holder is None
+        raise LockHeld(path, read_holder(path))
+    finally:
+        written.unlink()
 
 
 def wait(path: Path, timeout: float, poll: float = 0.2) -> Lock:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 import subprocess
@@ -90,10 +91,39 @@ def test_another_hosts_lock_is_kept_unless_broken_explicitly(tmp_path):
     assert lock.took_over == foreign
 
 
-def test_an_unreadable_lock_is_being_written_then_debris(tmp_path):
+def test_a_lock_file_is_never_seen_half_written(tmp_path):
+    """A run that finds the lock reads its holder: a reader polling the name while another thread takes and
+    releases the lock over and over never sees the file without one."""
+    import threading
+
+    path, done, half = tmp_path / "x.lock", threading.Event(), []
+
+    def poll():
+        while not done.is_set():
+            try:
+                text = path.read_text()
+            except FileNotFoundError:
+                continue
+            try:
+                Holder(**json.loads(text))
+            except (ValueError, TypeError):
+                half.append(text)
+
+    reader = threading.Thread(target=poll)
+    reader.start()
+    try:
+        for _ in range(3000):
+            locks.acquire(path).release()
+    finally:
+        done.set()
+        reader.join()
+    assert not half, f"{len(half)} reads found the lock file without its holder, e.g. {half[0]!r}"
+
+
+def test_an_unreadable_lock_is_left_alone_then_taken_over_as_debris(tmp_path):
     path = tmp_path / "x.lock"
     path.write_text("")
-    with pytest.raises(LockHeld, match="still being written"):
+    with pytest.raises(LockHeld, match="unreadable lock file"):
         locks.acquire(path)
     old = time.time() - locks.UNREADABLE_GRACE_S - 1
     os.utime(path, (old, old))
