@@ -42,6 +42,7 @@ from bench.common import comma_floats, comma_ints, emit, process_pool
 
 REPO = Path(__file__).resolve().parents[1]
 PRESET = "cpu-small"
+RESUME_EVERY = 250  # news pretraining steps between progress lines and resumable states (~60 MB, ~2.5 min)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -92,6 +93,10 @@ def pretrain(args, tok_dir: Path, vocab_dir: Path, model) -> tuple[dict[str, Any
 
     The result is kept in `--workdir`/news-pretrain/KEY (KEY: the tokenize artifact and every pretraining option),
     so a rerun with other fine-tuning options reuses it; it is written under KEY.tmp and renamed when complete.
+    A run stopped on the way (killed, or the machine's session ended) resumes from KEY.tmp/resume.pt, written
+    every RESUME_EVERY steps: weights, optimizer and schedule - masks and dropout are seeded by the step
+    (`train_step`), so the resumed run takes the same steps as an uninterrupted one. A long run can thus be
+    gathered over several sittings.
     """
     import hashlib
 
@@ -107,8 +112,10 @@ def pretrain(args, tok_dir: Path, vocab_dir: Path, model) -> tuple[dict[str, Any
         snapshots = {int(f.stem.split("-")[1]): load_file(f) for f in done.glob("step-*.safetensors")}
         final = {k: torch.from_numpy(v) for k, v in load_file(done / "final.safetensors").items()}
         return json.loads((done / "report.json").read_text()), snapshots, final
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    resume = partial / "resume.pt"
+    if not resume.exists():
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
 
     from bench.objectives import load_sequences
     from core.config import PretrainConfig
@@ -133,12 +140,21 @@ def pretrain(args, tok_dir: Path, vocab_dir: Path, model) -> tuple[dict[str, Any
     epochs = math.ceil(args.steps * args.batch / len(train))
     rng = np.random.default_rng(cfg.seed)
     order = np.concatenate([rng.permutation(len(train)) for _ in range(epochs)])
-    snapshots, curve, started = {}, [], time.perf_counter()
+    snapshots, curve, first, before = {}, [], 0, 0.0  # before: wall seconds of the earlier sittings
+    if resume.exists():
+        saved = torch.load(resume, weights_only=False)
+        engine.module.load_state_dict(saved["model"])
+        engine.optimizer.load_state_dict(saved["optimizer"])
+        engine.scheduler.load_state_dict(saved["scheduler"])
+        first, curve, before = saved["step"], saved["curve"], saved["wall_s"]
+        snapshots = {s: load_file(partial / f"step-{s}.safetensors") for s in keep if s < first}
+        print(f"pretraining: resuming {partial} at step {first}", file=sys.stderr, flush=True)
+    started = time.perf_counter() - before
 
     def backbone() -> dict[str, np.ndarray]:
         return {k: v.detach().numpy().copy() for k, v in engine.module.state_dict().items() if k.startswith("deberta.")}
 
-    for step in range(args.steps + 1):
+    for step in range(first, args.steps + 1):
         if step in keep:
             snapshots[step] = backbone()
             save_file(snapshots[step], partial / f"step-{step}.safetensors")
@@ -150,9 +166,13 @@ def pretrain(args, tok_dir: Path, vocab_dir: Path, model) -> tuple[dict[str, Any
             break
         rows = order[step * args.batch:(step + 1) * args.batch]
         out = train_step(engine, objective, masker, [to_batch({"input_ids": train[rows]})], step)
-        if (step + 1) % 250 == 0:
+        if (step + 1) % RESUME_EVERY == 0:
             print(f"pretrain step {step + 1}/{args.steps}: loss {out['loss']:.4f}, "
                   f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+            torch.save({"model": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict(),
+                        "scheduler": engine.scheduler.state_dict(), "step": step + 1, "curve": curve,
+                        "wall_s": time.perf_counter() - started}, partial / "resume.tmp")
+            (partial / "resume.tmp").replace(resume)  # whole or not at all
     wall = time.perf_counter() - started
     report = {"steps": args.steps, "batch": args.batch, "seq_len": train.shape[1], "lr": args.lr,
               "warmup": args.warmup, "train_sequences": len(train), "epochs": round(args.steps * args.batch /
@@ -161,6 +181,7 @@ def pretrain(args, tok_dir: Path, vocab_dir: Path, model) -> tuple[dict[str, Any
               "curve": curve}
     final = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     save_file({k: v.numpy() for k, v in final.items()}, partial / "final.safetensors")
+    resume.unlink(missing_ok=True)
     (partial / "report.json").write_text(json.dumps(report, indent=1))
     shutil.rmtree(done, ignore_errors=True)
     partial.rename(done)
