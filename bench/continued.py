@@ -169,10 +169,11 @@ def pretrain(args, tok_dir: Path, vocab_dir: Path, model) -> tuple[dict[str, Any
         if (step + 1) % RESUME_EVERY == 0:
             print(f"pretrain step {step + 1}/{args.steps}: loss {out['loss']:.4f}, "
                   f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+            tmp = resume.with_suffix(".tmp")
             torch.save({"model": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict(),
                         "scheduler": engine.scheduler.state_dict(), "step": step + 1, "curve": curve,
-                        "wall_s": time.perf_counter() - started}, partial / "resume.tmp")
-            (partial / "resume.tmp").replace(resume)  # whole or not at all
+                        "wall_s": time.perf_counter() - started}, tmp)
+            tmp.replace(resume)  # whole or not at all
     wall = time.perf_counter() - started
     report = {"steps": args.steps, "batch": args.batch, "seq_len": train.shape[1], "lr": args.lr,
               "warmup": args.warmup, "train_sequences": len(train), "epochs": round(args.steps * args.batch /
@@ -181,10 +182,10 @@ def pretrain(args, tok_dir: Path, vocab_dir: Path, model) -> tuple[dict[str, Any
               "curve": curve}
     final = {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
     save_file({k: v.numpy() for k, v in final.items()}, partial / "final.safetensors")
-    resume.unlink(missing_ok=True)
     (partial / "report.json").write_text(json.dumps(report, indent=1))
     shutil.rmtree(done, ignore_errors=True)
     partial.rename(done)
+    (done / resume.name).unlink(missing_ok=True)  # only now: stopped before the rename, the run still resumes rather than restarts
     return report, snapshots, final
 
 

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -94,8 +95,6 @@ def test_another_hosts_lock_is_kept_unless_broken_explicitly(tmp_path):
 def test_a_lock_file_is_never_seen_half_written(tmp_path):
     """A run that finds the lock reads its holder: a reader polling the name while another thread takes and
     releases the lock over and over never sees the file without one."""
-    import threading
-
     path, done, half = tmp_path / "x.lock", threading.Event(), []
 
     def poll():
