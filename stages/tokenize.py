@@ -5,9 +5,9 @@ go through one pass of `pack_units` tasks over the corpus's row groups. Each tas
 `TokenizeConfig.num_workers` at a time, never more than there are row groups: with fewer row groups each task takes
 the CPUs of the missing ones and encodes with as many SentencePiece threads) builds a `PackDocuments` - the
 SentencePiece model loads from bytes shipped with it in milliseconds, while an actor would need a worker process of
-its own, seconds to start, where tasks run on the workers the earlier stages left warm - encodes about READ_DOCS
-documents per SentencePiece call, packs them `batch_size` at a time on numpy buffers and writes its shards itself (to a staging folder); only
-shard names and counts come back. Shuffle: the train split is
+its own, seconds to start, where tasks run on the workers the earlier stages left warm - encodes up to READ_DOCS
+documents per SentencePiece call, packs them `batch_size` at a time on numpy buffers and writes its shards itself
+(to a staging folder); only shard names and counts come back. Shuffle: the train split is
 rewritten as one seeded, uniform permutation of all its packed sequences, so that consecutive sequences come from
 anywhere in the corpus, however it was ordered (a corpus assembled source by source would otherwise be trained on
 source by source). Validation keeps corpus order (pretraining draws a seeded sample of it).
@@ -77,7 +77,8 @@ SUMMARY_FILE = "tokens.json"
 STAGING = ".packed"  # the packed, not yet shuffled shards; removed before the artifact is complete
 KEY = "key"  # the staged train shards' random sort key (uint64), dropped by the shuffle
 ROW_GROUP_ROWS = 1024  # sequences per Parquet row group: 2 MiB of ids at 512 tokens
-READ_DOCS = 1024  # documents read and encoded per call (rounded to whole packing batches)
+READ_DOCS = 1024  # documents read and encoded per call at most (rounded to whole packing batches) ...
+READ_BYTES = 16 << 20  # ... and about this much text: long documents (books) are read a packing batch at a time
 PROGRESS_S = 10.0  # seconds between a pass's progress lines
 
 
@@ -162,12 +163,16 @@ class PackDocuments:
         return shards
 
     def packed_batches(self, path: str, row_group: int) -> Iterator[pa.Table]:
-        """The row group's packed sequences, read and encoded READ_DOCS documents at a time and packed
-        `batch_size` documents at a time (the packing boundary): reading, encoding and building a table per
-        read keeps the per-call costs of Arrow and SentencePiece off every packing batch."""
+        """The row group's packed sequences, read and encoded several packing batches at a time (at most
+        READ_DOCS documents and about READ_BYTES of text) and packed `batch_size` documents at a time (the packing
+        boundary): reading, encoding and building a table per read keeps the per-call costs of Arrow and
+        SentencePiece off every packing batch, and memory stays bounded by one read."""
         reader = pq.ParquetFile(path)
         size = self.batch_size
-        for batch in reader.iter_batches(batch_size=size * max(1, READ_DOCS // size), row_groups=[row_group],
+        meta = reader.metadata.row_group(row_group)
+        per_doc = meta.total_byte_size / max(meta.num_rows, 1)  # uncompressed bytes of a row
+        batches = max(1, min(READ_DOCS // size, int(READ_BYTES / (per_doc * size))))
+        for batch in reader.iter_batches(batch_size=size * batches, row_groups=[row_group],
                                          columns=["doc_id", "text"]):
             texts = batch.column("text")
             texts = (pc.fill_null(texts, "") if texts.null_count else texts).to_pylist()  # fill_null copies

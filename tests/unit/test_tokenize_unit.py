@@ -126,26 +126,30 @@ def test_two_pass_shuffle_is_a_seeded_permutation_of_every_sequence(tmp_path):
     assert bucket_bounds(0, 3)[0] == 0 and bucket_bounds(2, 3)[1] == 1 << 64
 
 
-def test_documents_are_packed_batch_size_at_a_time_however_many_are_read_at_once(tmp_path):
+def test_documents_are_packed_batch_size_at_a_time_however_many_are_read_at_once(tmp_path, monkeypatch):
     """PackDocuments reads and encodes many documents per call but packs `batch_size` at a time: its rows are
-    `pack` of every batch_size documents in turn (a window never spans two batches), owners included."""
+    `pack` of every batch_size documents in turn (a window never spans two batches), owners included - whether a
+    read holds many packing batches or, under a small READ_BYTES (long documents), one."""
+    import stages.tokenize as tokenize
     from core.tokenizer import Tokenizer
-    from stages.tokenize import READ_DOCS, PackDocuments
     from tests.released import lee_text, spm_model
 
     tok = Tokenizer.load(spm_model(tmp_path / "spm"))
     texts = [line for line in lee_text().splitlines() if line.strip()] * 4  # real text: the Lee corpus
     batch = 7
-    assert len(texts) > READ_DOCS // batch * batch  # more than one read, and reads that are not whole windows
+    assert len(texts) > tokenize.READ_DOCS // batch * batch  # more than one read, and reads that are not whole windows
     pq.write_table(pa.table({"doc_id": [f"d{i}" for i in range(len(texts))], "text": texts}), tmp_path / "c.parquet")
-    (tmp_path / "out" / "validation").mkdir(parents=True)
-    packer = PackDocuments(tok, max_seq_len=32, batch_size=batch, rows_per_shard=10**6, out=str(tmp_path / "out"))
-    [(name, sequences, _, _)] = list(packer.tokenize_unit("validation", str(tmp_path / "c.parquet"), 0, 0))
-    got = pq.read_table(tmp_path / "out" / name)
     rows, owners = [], []
     for start in range(0, len(texts), batch):
         r, _, first = pack(tok.encode_arrays(texts[start:start + batch]), 32, tok.cls_id, tok.sep_id, tok.pad_id)
         rows += r.tolist()
         owners += [f"d{start + i}" for i in first]
-    assert sequences == len(rows) and got.column("input_ids").to_pylist() == rows
-    assert got.column("doc_id").to_pylist() == owners
+    for read_bytes in (tokenize.READ_BYTES, 1):
+        monkeypatch.setattr(tokenize, "READ_BYTES", read_bytes)
+        out = tmp_path / f"out-{read_bytes}"
+        (out / "validation").mkdir(parents=True)
+        packer = tokenize.PackDocuments(tok, max_seq_len=32, batch_size=batch, rows_per_shard=10**6, out=str(out))
+        [(name, sequences, _, _)] = list(packer.tokenize_unit("validation", str(tmp_path / "c.parquet"), 0, 0))
+        got = pq.read_table(out / name)
+        assert sequences == len(rows) and got.column("input_ids").to_pylist() == rows
+        assert got.column("doc_id").to_pylist() == owners
