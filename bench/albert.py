@@ -131,9 +131,10 @@ def ensure_pair_artifacts(workdir: Path) -> tuple[Path, Path]:
             raise SystemExit(f"error: `pipeline.run --until tokenize --workdir {workdir} --set "
                              f"tokenize.segment_pairs=true` failed (rc {rc}); run it inside "
                              f"`unshare --net sh -c 'ip link set lo up && ...'` and read its message")
-    import pyarrow.parquet as pq
+    import pyarrow as pa
 
-    if SOP_COLUMN not in pq.read_schema(next((found[0] / "train").glob("*.parquet"))).names:
+    first = min((found[0] / "train").glob("*.arrow"))  # `find_artifacts` takes only artifacts with Arrow shards
+    if SOP_COLUMN not in pa.ipc.open_file(pa.memory_map(str(first))).schema.names:
         raise SystemExit(f"error: {found[0]} has no `{SOP_COLUMN}` column (packed, not segment pairs); use another "
                          f"--workdir or run `pipeline.run --until tokenize --workdir ... --set "
                          f"tokenize.segment_pairs=true`")
@@ -141,27 +142,23 @@ def ensure_pair_artifacts(workdir: Path) -> tuple[Path, Path]:
 
 
 def load_split(tok_dir: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
-    """(N, T) token ids and (N,) SOP labels of one split."""
-    import pyarrow.parquet as pq
-
+    """(N, T) token ids and (N,) SOP labels of one split, in corpus order."""
     from stages.segment_pairs import SOP_COLUMN
+    from stages.tokenize import read_split
 
-    labels = pq.read_table(tok_dir / split, columns=[SOP_COLUMN]).column(SOP_COLUMN).to_numpy()
+    labels = read_split(tok_dir / split, [SOP_COLUMN]).column(SOP_COLUMN).to_numpy()
     return load_sequences(tok_dir, split), np.asarray(labels)
 
 
-def validation_sample(tok_dir: Path, rows: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def validation_sample(tok_dir: Path, rows: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A seeded sample of `rows` validation sequences, in split order (the pretraining loop's way: the split holds
     documents in corpus order), their SOP labels, and whether each opens its document - the first row of its
-    `doc_id` in the split's corpus order (None for artifacts without `doc_id`)."""
-    import pyarrow.parquet as pq
+    `doc_id` in the split's corpus order."""
+    from stages.tokenize import read_split
 
     ids, labels = load_split(tok_dir, "validation")
     picked = np.sort(np.random.default_rng(seed).choice(len(ids), size=min(rows, len(ids)), replace=False))
-    names = pq.read_schema(next((tok_dir / "validation").glob("*.parquet"))).names
-    if "doc_id" not in names:
-        return ids[picked], labels[picked], None
-    docs = np.asarray(pq.read_table(tok_dir / "validation", columns=["doc_id"]).column("doc_id").to_pylist())
+    docs = np.asarray(read_split(tok_dir / "validation", ["doc_id"]).column("doc_id").to_pylist())
     opens = np.concatenate([[True], docs[1:] != docs[:-1]])  # (N,)
     return ids[picked], labels[picked], opens[picked]
 
@@ -190,7 +187,7 @@ def _validation(engine, objective, masker, val, batch: int) -> dict[str, float]:
 
     sums = validation_sums(engine, objective, masker, batches, each=sop_hits if objective.cfg.sop else None)
     metrics = objective.eval_metrics(sums)
-    if objective.cfg.sop and opens is not None:
+    if objective.cfg.sop:
         n = len(hits) * batch
         hit, pair, first = np.concatenate(hits), labels[:n] != NO_PAIR, opens[:n]
         for name, rows in (("opening", pair & first), ("rest", pair & ~first)):

@@ -92,11 +92,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------------------------------- data
 
 def find_artifacts(workdir: Path) -> tuple[Path, Path] | None:
-    """(tokenize artifact, its vocab artifact): the newest finished tokenize artifact under workdir, else None."""
+    """(tokenize artifact, its vocab artifact): the newest finished tokenize artifact under workdir with Arrow IPC
+    shards (older versions of the stage wrote Parquet: passed over, so that `ensure_artifacts` remakes one), else
+    None."""
     from core.artifacts import MANIFEST, SUCCESS
 
     root = workdir / "artifacts" / "tokenize"
-    done = [p for p in root.glob("*") if (p / SUCCESS).is_file()] if root.is_dir() else []
+    found = root.glob("*") if root.is_dir() else []
+    done = [p for p in found if (p / SUCCESS).is_file() and any((p / "train").glob("*.arrow"))]
     if not done:
         return None
     tok_dir = max(done, key=lambda p: json.loads((p / MANIFEST).read_text())["created_at"])
@@ -124,12 +127,11 @@ def ensure_artifacts(workdir: Path) -> tuple[Path, Path]:
 
 
 def load_sequences(tok_dir: Path, split: str) -> np.ndarray:
-    """(N, T) uint32 token ids of a tokenize artifact's split (`input_ids`, fixed-size lists)."""
-    import pyarrow.parquet as pq
+    """(N, T) uint32 token ids of a tokenize artifact's split in corpus order (`input_ids`, fixed-size lists)."""
+    from stages.tokenize import read_split
 
-    table = pq.read_table(tok_dir / split, columns=["input_ids"])
-    column = table.column("input_ids").combine_chunks()
-    return np.asarray(column.flatten()).reshape(len(table), -1)  # (N * T,) -> (N, T)
+    column = read_split(tok_dir / split, ["input_ids"]).column("input_ids").combine_chunks()
+    return np.asarray(column.flatten()).reshape(len(column), -1)  # (N * T,) -> (N, T)
 
 
 def model_config(vocab_dir: Path):

@@ -26,7 +26,9 @@ Side by side in the same run:
   `normalize`, the definition) on `--check-docs` documents (random ones with all their copies): precision of the
   stage's confirmed pairs (J >= threshold) and recall of the pairs with J >= 0.8 (same duplicate cluster);
 - tokenize: a plain SentencePiece encode loop over the corpus artifact's text (read from its Parquet files), in
-  one process and in two processes (half of the files each), with the vocab the run trained.
+  one process and in two processes (half of the files each), with the vocab the run trained;
+- pretraining's reader on this tree's tokenize artifact (`read_cost`): an epoch's permutation drawn, and micro-
+  batches of 32 rows read by index against the same rows read in order (warm page cache).
 Writes the JSON (default bench/results/scale.json), prints a table, draws bench/results/scale.png.
 """
 
@@ -293,6 +295,32 @@ def encode_peer(vocab: Path, corpus: Path, procs: int) -> dict:
             "cpu_s": round(sum(r[2] for r in results), 1), "tokens_per_s_per_core": round(tokens / seconds / procs)}
 
 
+def read_cost(tok_art: Path, batches: int = 2_000, micro: int = 32, world: int = 2) -> dict:
+    """What pretraining's reader (`stages.pretrain.data`, this tree's) costs on the artifact: drawing an epoch's
+    permutation of all train sequences, and rank 0's first `batches` micro-batches read by index, against the same
+    number of rows read in order (consecutive micro-batches of the files). The files were just written, so the page
+    cache is warm: the figure for local disk after the first touch, not for cold network storage."""
+    from stages.pretrain import data
+
+    split = data.Sequences(sorted((tok_art / "train").glob("*.arrow")), ["input_ids"])
+    start = time.perf_counter()
+    data.epoch_order(len(split), 0, 0)
+    permutation_s = time.perf_counter() - start
+    batches = min(batches, data.batches_per_epoch(len(split), world, micro))
+    start = time.perf_counter()
+    for _, _ in zip(range(batches), data.rank_batches(split, 0, 0, 0, world, micro)):
+        pass
+    by_index = time.perf_counter() - start - permutation_s  # rank_batches draws the permutation too
+    start = time.perf_counter()
+    for b in range(batches):
+        split.take(np.arange(b * micro, (b + 1) * micro))
+    in_order = time.perf_counter() - start
+    return {"sequences": len(split), "micro_batch": micro, "batches": batches,
+            "permutation_ms": round(permutation_s * 1e3, 1),
+            "ms_per_batch_by_index": round(by_index / batches * 1e3, 4),
+            "ms_per_batch_in_order": round(in_order / batches * 1e3, 4)}
+
+
 def check_sample(texts: list[str], family: np.ndarray, size: int, seed: int = 1) -> np.ndarray:
     """Indices of about `size` documents: random originals with every copy of them in the corpus."""
     rng = np.random.default_rng(seed)
@@ -375,10 +403,13 @@ def measure(pool: list[str], n: int, root: Path, trees: dict[str, Path], args: a
         splits = json.loads((tok_art / "tokens.json").read_text())["splits"]
         row["runs"][label] = {"pipeline": run, "corpus_counts": report["counts"], "corpus_timings": report["timings"],
                               "sequences": sum(s["sequences"] for s in splits.values()),
+                              "tokenize_gb": round(sum(f.stat().st_size for f in tok_art.rglob("*") if f.is_file())
+                                                   / 1e9, 3),
                               "quality": quality(corpus_art, truth, sample_ids, args.threshold)}
         if label == list(trees)[-1]:  # the peers read the text and vocabulary of the last run
             row["encode_1"] = encode_peer(vocab_art, corpus_art, 1)
             row["encode_2"] = encode_peer(vocab_art, corpus_art, 2)
+            row["pretrain_read"] = read_cost(tok_art)
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
     row["datasketch"] = datasketch_peer(peer_texts, args.num_perm, args.threshold)
@@ -433,6 +464,13 @@ def table(report: dict) -> str:
             q = run["quality"]
             lines.append(f"{'':>25}{'quality':>10}  {q['documents']:,} docs, {q['true_pairs_j>=0.8']} true pairs >= 0.8: "
                          f"precision {q['precision']}, recall {q['recall_j>=0.8']}")
+            if "tokenize_gb" in run:
+                lines.append(f"{'':>25}{'tokens':>10}  {run['sequences']:,} sequences, {run['tokenize_gb']} GB on disk")
+        if "pretrain_read" in row:
+            r = row["pretrain_read"]
+            lines.append(f"{'':>25}{'reader':>10}  permutation of {r['sequences']:,} sequences {r['permutation_ms']} ms; "
+                         f"a micro-batch of {r['micro_batch']} by index {r['ms_per_batch_by_index']} ms, in order "
+                         f"{r['ms_per_batch_in_order']} ms ({r['batches']:,} batches)")
     lines.append("rate/core: the stage's documents (d) or content tokens (t) per second per CPU; peer: datasketch's fast "
                  "path (one core) / a plain SentencePiece loop in two processes; ratio: stage over peer per core "
                  "(tokenize: the peer's wall over the stage's); cpu s: CPU seconds of the run's processes in the stage; "

@@ -24,9 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute  # noqa: F401  (pa.compute)
 import pyarrow.parquet as pq
 
 from bench.common import RESULTS, comma_ints, emit
@@ -102,45 +100,35 @@ def time_stage(root: Path, corpus: Artifact, vocab: Artifact, cfg: TokenizeConfi
 
 
 def profile(tok: Tokenizer, corpus: Artifact, cfg: TokenizeConfig, root: Path) -> dict[str, float]:
-    """CPU seconds of each phase of the stage's per-token work, run in this process on one thread (the actors'
-    code: `PackDocuments`, whose staged writer is the shuffle's pass 1, and its pass 2 `write_bucket`), without
-    Ray: where the time goes."""
+    """CPU seconds of each phase of the stage's per-token work on the train split, run in this process on one
+    thread (the pack tasks' code, `PackDocuments`: its reads, encode, packing and shard writing), without Ray:
+    where the time goes."""
     out = _mkdir(root / "profile")
     _mkdir(out / "train")
-    phases = dict.fromkeys(("read text", "encode", "pack + table", "write packed (key, sort)",
-                            "shuffle pass 2: merge + write"), 0.0)
+    packer = tokenize_stage.PackDocuments(tok, cfg.max_seq_len, cfg.batch_size, cfg.rows_per_shard, str(out))
+    phases = dict.fromkeys(("read text", "encode", "pack + table", "write (Arrow IPC)"), 0.0)
     clock = time.process_time
-    staged = []
-    for f in sorted((corpus.path / "train").glob("*.parquet")):
-        writer = None
+
+    def timed(path: str, row_group: int):  # `packed_batches`, each phase on its own clock
         t = clock()
-        for batch in pq.ParquetFile(f).iter_batches(batch_size=cfg.batch_size, columns=["doc_id", "text"]):
-            texts = pa.compute.fill_null(batch.column("text"), "").to_pylist()
+        for doc_ids, texts in packer.reads(path, row_group):
             phases["read text"] += clock() - t
             t = clock()
             ids = tok.encode_arrays(texts, num_threads=1)
             phases["encode"] += clock() - t
             t = clock()
-            rows, lengths, first = tokenize_stage.pack(ids, cfg.max_seq_len, tok.cls_id, tok.sep_id, tok.pad_id)
-            table = tokenize_stage.to_table(rows, lengths, batch.column("doc_id").take(pa.array(first)))
+            table = packer.packed(doc_ids, ids)
             phases["pack + table"] += clock() - t
+            yield table
             t = clock()
-            writer = writer or tokenize_stage.StagedWriter(out, f"train/{f.stem}.arrow", (0, len(staged), 0), 0.0)
-            writer.add(table)
-            phases["write packed (key, sort)"] += clock() - t
-            t = clock()
-        t = clock()
-        staged.append(writer.close())
-        phases["write packed (key, sort)"] += clock() - t
-    total = sum(n for _, n, _, _ in staged)
-    _mkdir(root / "profile-out" / "train")
-    t = clock()
-    tokenize_stage.write_bucket({"bucket": np.arange(-(-total // cfg.rows_per_shard))},
-                                [str(out / name) for name, *_ in staged], -(-total // cfg.rows_per_shard),
-                                str(root / "profile-out"))
-    phases["shuffle pass 2: merge + write"] = clock() - t
+        phases["read text"] += clock() - t
+
+    for unit in tokenize_stage.row_groups({"train": sorted((corpus.path / "train").glob("*.parquet"))}):
+        before, t = sum(phases.values()), clock()
+        for _ in packer.write_unit("train", unit["unit"], timed(unit["path"], unit["row_group"])):
+            pass
+        phases["write (Arrow IPC)"] += clock() - t - (sum(phases.values()) - before)  # the rest of the unit's time
     shutil.rmtree(out)
-    shutil.rmtree(root / "profile-out")
     return phases
 
 
@@ -240,7 +228,7 @@ def table(report: dict) -> str:
                      f"{s['per_worker_vs_single']:>16.2f}{s['marginal_per_worker_vs_single']:>18.2f}"
                      f"{s['cpu_efficiency_vs_single']:>19.2f}{s['cpu_efficiency_vs_single_lists']:>9.2f}")
     phases = report["profile_cpu_seconds"]
-    lines += ["", "where one worker's CPU goes (in-process, 1 thread; Ray start-up and the exchange excluded):"]
+    lines += ["", "where one worker's CPU goes (in-process, 1 thread; Ray start-up excluded):"]
     lines += [f"  {phase:<24}{seconds:>7.2f} s  {seconds / phases['encode']:>5.2f} x encode"
               for phase, seconds in phases.items()]
     if "scaling_2_vs_1" in report:

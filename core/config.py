@@ -170,7 +170,7 @@ class TokenizeConfig(Section):
     """ALBERT's sentence-order data: each row is `[CLS] A [SEP] B [SEP]`, two consecutive spans of one document,
     swapped with probability 0.5 (seeded by `seed`), with a `sop_label` column (1: swapped)."""
     seed: int = 0
-    """Seed of the train split's global permutation and of the segment-pair swaps."""
+    """Seed of the segment-pair swaps (the train order is drawn by pretraining, from `pretrain.seed`)."""
 
     HOW: ClassVar[frozenset[str]] = frozenset({"num_workers"})
 
@@ -235,14 +235,11 @@ class PretrainConfig(Section):
     """Steps between DeepSpeed checkpoints reported to Ray Train."""
     max_failures: int = 3
     """Worker failures Ray Train recovers from (restoring the latest checkpoint)."""
-    shuffle_buffer: int = 1_024
-    """Sequences shuffled together in each worker's window, seeded by (seed, epoch, rank, window); the train split
-    is already one global permutation (tokenize stage) and its blocks are re-dealt every epoch
-    (`stages.pretrain.data`); 0 = none."""
     placement_strategy: str = "PACK"
     """Ray placement of the training workers: "PACK" (fill a node's GPUs first) or "SPREAD" (one per node first)."""
     seed: int = 0
-    """Seeds model init, span masks (with step, micro-batch and rank) and the data order (with epoch and rank)."""
+    """Seeds model init, span masks (with step, micro-batch and rank) and the data order (a permutation of all
+    sequences per epoch, seeded by (seed, epoch): `stages.pretrain.data`)."""
     init: str = ""
     """Continue pretraining a released checkpoint instead of starting from random weights: an HF DeBERTa-v2/v3
     directory (config.json, weights, spm.model) or a registry version (models:/NAME/VERSION, models:/NAME@ALIAS).
@@ -269,8 +266,7 @@ class PretrainConfig(Section):
         _check(self.warmup_steps >= 0, f"pretrain.warmup_steps={self.warmup_steps}: must be >= 0")
         _check(self.lr > 0, f"pretrain.lr={self.lr}: must be > 0")
         _check(0.0 < self.mlm_probability < 1.0, f"pretrain.mlm_probability={self.mlm_probability}: must be in (0, 1)")
-        _check(self.max_failures >= 0 and self.shuffle_buffer >= 0,
-               f"pretrain.max_failures={self.max_failures} and shuffle_buffer={self.shuffle_buffer}: must be >= 0")
+        _check(self.max_failures >= 0, f"pretrain.max_failures={self.max_failures}: must be >= 0")
         _check(self.placement_strategy in PLACEMENTS,
                f"pretrain.placement_strategy={self.placement_strategy!r}: use one of {', '.join(PLACEMENTS)}")
         _check(self.objective in OBJECTIVES, f"pretrain.objective={self.objective!r}: use mlm or rtd")

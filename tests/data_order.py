@@ -1,22 +1,8 @@
-"""What the tests measure about the pretraining data order (`stages.pretrain.data`), without reading the shards."""
+"""What the tests measure about a data order: how evenly it mixes the sources of a corpus."""
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import numpy as np
-
-from stages.pretrain.data import Block, batches_per_epoch, windows
-
-
-def sequence_order(split: Sequence[Block], seed: int, epoch: int, rank: int, world: int, micro: int,
-                   buffer: int) -> np.ndarray:
-    """(batches_per_epoch * micro,) split-wide indices of the sequences this rank consumes in the epoch, in order
-    (what `rank_batches` reads, without reading it)."""
-    want = batches_per_epoch(split, seed, epoch, world, micro) * micro
-    parts = [np.concatenate([b.offset + np.arange(b.rows) for b in window])[order]
-             for window, order in windows(split, seed, epoch, rank, world, buffer)]
-    return np.concatenate(parts)[:want] if parts else np.empty(0, dtype=np.int64)
 
 
 def mixing_deviation(labels: np.ndarray, window_share: float = 0.05) -> float:

@@ -7,7 +7,7 @@ The package, by what it answers:
     objective.py   what an objective supplies (`Objective`); mlm.py, rtd.py, sop.py implement it
     loop.py        one training step and one validation pass as plain functions (the benchmarks call them too), and
                    the Ray Train worker loop around them: engine, data position, evaluation schedule, checkpoints
-    data.py        the order the tokenised train shards are read in
+    data.py        the order the tokenised train shards are read in: a permutation per epoch, rows by index
 The DeepSpeed config comes from `training/deepspeed_config.py`, the engine from `training/engine.py`.
 
 Recovery. Every `ckpt_interval` steps each worker saves its DeepSpeed shard and all of them report one
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow.parquet as pq
+import pyarrow as pa
 
 from training.deepspeed_config import DeepSpeedConfig, build_deepspeed_config
 from core.artifacts import Artifact
@@ -45,6 +45,7 @@ from core.config import ConfigError, PretrainConfig
 from core.tokenizer import Tokenizer
 from core.errors import StageInputError
 from stages.base import StageContext, StageResult
+from stages.pretrain import data
 from stages.pretrain.mlm import MLM
 from stages.pretrain.objective import Objective
 from stages.pretrain.rtd import RTD
@@ -99,17 +100,19 @@ def check_inputs(model: DebertaConfig, tokenizer_len: int, seq_len: int) -> None
 
 def token_shards(tokenize: Artifact, split: str) -> tuple[list[str], int, int]:
     """(files, rows, sequence length) of a split of the tokenize artifact, checked before workers start."""
-    files = sorted(str(p) for p in (Path(tokenize.path) / split).glob("*.parquet"))
+    files = sorted(str(p) for p in (Path(tokenize.path) / split).glob("*.arrow"))
     if not files:
-        raise StageInputError(f"tokenize artifact {tokenize.path} has no {split}/*.parquet shards; rebuild it "
+        raise StageInputError(f"tokenize artifact {tokenize.path} has no {split}/*.arrow shards; rebuild it "
                               f"(python -m pipeline.run --until tokenize --force tokenize)")
-    schema = pq.read_schema(files[0])
-    if "input_ids" not in schema.names:
-        raise StageInputError(f"{files[0]} has no input_ids column; it is not a tokenize artifact shard")
-    seq_len = getattr(schema.field("input_ids").type, "list_size", None)
-    if not seq_len or seq_len < 0:
-        seq_len = len(pq.read_table(files[0], columns=["input_ids"]).slice(0, 1).column(0)[0])
-    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    try:
+        schema = pa.ipc.open_file(pa.memory_map(files[0])).schema
+        rows = len(data.Sequences(files, ["length"]))
+    except (OSError, pa.ArrowInvalid) as e:
+        raise StageInputError(f"tokenize artifact {tokenize.path}: a {split} shard is unreadable ({e}); rebuild it "
+                              f"(python -m pipeline.run --until tokenize --force tokenize)") from None
+    seq_len = getattr(schema.field("input_ids").type, "list_size", 0) if "input_ids" in schema.names else 0
+    if seq_len <= 0:
+        raise StageInputError(f"{files[0]} has no fixed-size input_ids column; it is not a tokenize artifact shard")
     return files, rows, int(seq_len)
 
 
@@ -121,8 +124,8 @@ def _trainer(cfg: PretrainConfig, job: "LoopJob", ctx: StageContext):
 
     from stages.pretrain.loop import train_loop_per_worker
 
-    # No Ray Data dataset: each worker reads its blocks of the (already globally shuffled) train shards in the
-    # order `stages.pretrain.data` deals them per epoch, which a restarted worker can replay.
+    # No Ray Data dataset: each worker reads its rows of the memory-mapped train shards by index, in the epoch's
+    # permutation that `stages.pretrain.data` draws and deals, which a restarted worker can replay.
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"job": job},

@@ -1,103 +1,97 @@
-"""The order pretraining reads the train split in: seeded blocks per epoch, dealt to the ranks, shuffled locally.
+"""The order pretraining reads the train split in: one seeded permutation of all sequences per epoch, dealt to the
+ranks, each row read by index from the memory-mapped shards (Megatron-LM's shuffle by index).
 
-The tokenize stage already wrote the train split as one seeded global permutation of its sequences, so any
-stretch of it mixes the whole corpus. On top of that, every epoch reads it in a different order:
+The tokenize stage writes the packed sequences in corpus order, as Arrow IPC files of fixed-size rows
+(`stages.tokenize`); sequence i is the i-th row of the files in name order. Epoch e:
 
-1. the split is cut into blocks of at most BLOCK_ROWS consecutive sequences (Parquet row groups, sliced);
-2. epoch e permutes the blocks with a generator seeded by (seed, e) and deals them round-robin to the ranks;
-3. each rank reads its blocks in that order and shuffles windows of `shuffle_buffer` sequences, seeded by
-   (seed, e, rank, window);
-4. every rank yields the same number of micro-batches in an epoch (the smallest rank's count), so collective
-   steps stay aligned; the few sequences past it wait for another epoch's deal.
+1. draws a permutation of all N sequences with a generator seeded by (seed, e): a uniform order over the whole
+   corpus, however it was assembled (source by source, file by file), and a new one every epoch;
+2. deals it round-robin to the ranks (rank r takes positions r, r + world, ...), so the sequences that one
+   optimizer step consumes on all ranks together are consecutive positions of the permutation;
+3. cuts every rank's share into micro-batches; all ranks yield the same number, N // world // micro, so collective
+   steps stay aligned, and the few sequences past it are left to another epoch's draw.
 
-The order is a pure function of (files, seed, epoch, world, micro-batch size, buffer): a resumed worker re-opens
-its epoch and skips to the saved micro-batch. Written here rather than through Ray Data because its per-execution
-reseeding (`RandomSeedConfig`) counts executions, not epochs: a restarted worker group would not replay the saved
-epoch's order. Each rank reads the shared workdir directly, like the validation sample.
+The order is a pure function of (N, seed, epoch, world, micro): a resumed worker redraws its epoch and starts at the
+saved micro-batch by index arithmetic, reading nothing it skips. A micro-batch is `micro` random rows: one
+contiguous read of `max_seq_len` x 4 bytes each from the page cache of a memory map (a file system's, on NFS).
+Memory: the epoch's permutation, 4 bytes a sequence (uint32 below 2^32 sequences: 320 MB for 80M sequences of
+512 tokens, the paper's 160 GB of text), and the maps' resident pages, which the kernel can drop at any time.
+Written here rather than through Ray Data because its per-execution reseeding (`RandomSeedConfig`) counts
+executions, not epochs (a restarted worker group would not replay the saved epoch's order), and its
+`random_shuffle` moves every row through the object store each epoch. Each rank reads the shared workdir directly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
-
-BLOCK_ROWS = 256
-"""Sequences per block: small enough that a few thousand sequences still give every rank several blocks."""
 
 
-@dataclass(frozen=True)
-class Block:
-    path: str
-    row_group: int
-    start: int
-    """First row of the block within its row group."""
-    rows: int
-    offset: int
-    """Index of the block's first sequence in the whole split (file order): a sequence's identity."""
+class Sequences:
+    """The rows of a split's Arrow IPC shards (in file order) as one indexable collection of `columns`, memory-
+    mapped: nothing is read until `take` touches it. `input_ids` arrives as (n, max_seq_len) uint32, other columns
+    as (n,) arrays."""
+
+    def __init__(self, files: Sequence[str | Path], columns: Sequence[str]):
+        self.columns = tuple(columns)
+        self.chunks: list[dict[str, np.ndarray]] = []  # per record batch: column -> zero-copy numpy view
+        for path in files:
+            reader = pa.ipc.open_file(pa.memory_map(str(path)))
+            for b in range(reader.num_record_batches):
+                batch = reader.get_batch(b)
+                self.chunks.append({name: _numpy(batch.column(name)) for name in self.columns})
+        sizes = [len(next(iter(c.values()))) if c else 0 for c in self.chunks]
+        self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # (chunks + 1,) first row of each
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def take(self, index: np.ndarray) -> dict[str, np.ndarray]:
+        """Rows `index` (in that order) of every column: {name: (len(index), ...) array}."""
+        index = np.asarray(index, dtype=np.int64)
+        chunk = np.searchsorted(self.starts, index, side="right") - 1  # (B,) record batch of each row
+        out = {}
+        for name in self.columns:
+            first = self.chunks[0][name]
+            out[name] = np.empty((len(index), *first.shape[1:]), dtype=first.dtype)
+        for c in np.unique(chunk):
+            at = np.flatnonzero(chunk == c)
+            rows = index[at] - self.starts[c]
+            for name in self.columns:
+                out[name][at] = self.chunks[c][name][rows]
+        return out
 
 
-def blocks(files: Sequence[str]) -> list[Block]:
-    """The train split cut into blocks of at most BLOCK_ROWS sequences, in file order (from Parquet metadata)."""
-    split, offset = [], 0
-    for path in files:
-        meta = pq.ParquetFile(path).metadata
-        for g in range(meta.num_row_groups):
-            n = meta.row_group(g).num_rows
-            for s in range(0, n, BLOCK_ROWS):
-                split.append(Block(path, g, s, min(BLOCK_ROWS, n - s), offset))
-                offset += split[-1].rows
-    return split
+def _numpy(column: pa.Array) -> np.ndarray:
+    """A record batch's column as a numpy view of the mapped file: fixed-size lists as (n, width)."""
+    if pa.types.is_fixed_size_list(column.type):
+        return column.flatten().to_numpy(zero_copy_only=True).reshape(len(column), column.type.list_size)
+    return column.to_numpy(zero_copy_only=not pa.types.is_string(column.type))
 
 
-def deal(n_blocks: int, seed: int, epoch: int, world: int) -> list[np.ndarray]:
-    """Block indices of each rank in epoch `epoch`: one seeded permutation of all blocks, dealt round-robin."""
-    order = np.random.default_rng([seed, epoch]).permutation(n_blocks)
-    return [order[rank::world] for rank in range(world)]
+def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    """(n,) a permutation of all sequence indices, seeded by (seed, epoch); uint32 while it fits (half the memory)."""
+    order = np.arange(n, dtype=np.uint32 if n < 1 << 32 else np.int64)
+    np.random.default_rng([seed, epoch]).shuffle(order)
+    return order
 
 
-def batches_per_epoch(split: Sequence[Block], seed: int, epoch: int, world: int, micro: int) -> int:
-    """Micro-batches every rank yields in this epoch: the least any rank's blocks can fill."""
-    rows = np.array([b.rows for b in split])
-    return min(int(rows[mine].sum()) // micro for mine in deal(len(split), seed, epoch, world))
+def batches_per_epoch(n: int, world: int, micro: int) -> int:
+    """Micro-batches every rank yields in an epoch of `n` sequences."""
+    return n // world // micro
 
 
-def windows(split: Sequence[Block], seed: int, epoch: int, rank: int, world: int,
-            buffer: int) -> Iterator[tuple[list[Block], np.ndarray]]:
-    """(blocks, order): consecutive blocks of this rank holding >= `buffer` sequences (one block when
-    buffer <= 1), and the order in which their concatenated rows are consumed (seeded by (seed, epoch, rank,
-    window))."""
-    mine = [split[i] for i in deal(len(split), seed, epoch, world)[rank]]
-    window: list[Block] = []
-    for k, block in enumerate(mine):
-        window.append(block)
-        rows = sum(b.rows for b in window)
-        if rows >= max(buffer, 1) or k == len(mine) - 1:
-            order = (np.random.default_rng([seed, epoch, rank, k]).permutation(rows) if buffer > 1
-                     else np.arange(rows))
-            yield window, order
-            window = []
+def rank_order(n: int, seed: int, epoch: int, rank: int, world: int, micro: int) -> np.ndarray:
+    """(batches_per_epoch * micro,) indices of the sequences this rank consumes in the epoch, in order."""
+    return epoch_order(n, seed, epoch)[rank::world][:batches_per_epoch(n, world, micro) * micro]
 
 
-def rank_batches(split: Sequence[Block], seed: int, epoch: int, rank: int, world: int, micro: int, buffer: int,
-                 columns: Sequence[str]) -> Iterator[pa.Table]:
-    """This rank's micro-batches of epoch `epoch` (exactly `batches_per_epoch` of them) with `columns`.
-    Memory: one window (`shuffle_buffer` sequences plus a block) and one micro-batch."""
-    want = batches_per_epoch(split, seed, epoch, world, micro)
-    given, carry = 0, None
-    for window, order in windows(split, seed, epoch, rank, world, buffer):
-        parts = [pq.ParquetFile(b.path).read_row_group(b.row_group, columns=list(columns)).slice(b.start, b.rows)
-                 for b in window]
-        table = pa.concat_tables(parts).take(pa.array(order))
-        if carry is not None:
-            table = pa.concat_tables([carry, table])
-        while len(table) >= micro and given < want:
-            yield table.slice(0, micro)
-            table, given = table.slice(micro), given + 1
-        if given == want:
-            return
-        carry = table
-
+def rank_batches(split: Sequences, seed: int, epoch: int, rank: int, world: int, micro: int,
+                 start: int = 0) -> Iterator[dict[str, np.ndarray]]:
+    """This rank's micro-batches of epoch `epoch` from micro-batch `start` on (numpy columns of `split`)."""
+    mine = rank_order(len(split), seed, epoch, rank, world, micro)
+    for b in range(start, len(mine) // micro):
+        yield split.take(mine[b * micro:(b + 1) * micro])

@@ -5,11 +5,10 @@ on GPU) is built here, inside the worker. Everything a worker needs arrives in o
 module global is read inside the loop.
 
 Data position (what a checkpoint stores besides model, optimizer and scheduler): `(epoch,
-batch_in_epoch)` in micro-batches of this worker. The order is a pure function of the shards, seed, epoch
-and rank (`stages.pretrain.data`: blocks re-dealt every epoch, windows shuffled locally), so on resume every
-worker re-opens epoch `epoch` and skips `batch_in_epoch` micro-batches (read and dropped, never computed;
-the cost is I/O proportional to the position within the epoch) - the next step sees exactly the batches it
-would have seen without the interruption. Span masks are a pure function of (seed, step, micro-batch,
+batch_in_epoch)` in micro-batches of this worker. The order is a pure function of the number of sequences,
+seed, epoch and rank (`stages.pretrain.data`: a permutation of all sequences per epoch, rows read by index), so
+on resume every worker redraws epoch `epoch` and starts at micro-batch `batch_in_epoch` (nothing before it is
+read) - the next step sees exactly the batches it would have seen without the interruption. Span masks are a pure function of (seed, step, micro-batch,
 rank) and the dropout RNG is reseeded from (seed, step, rank) every step, so a resumed run repeats the
 uninterrupted one step for step. The step and the validation pass themselves (`train_step`,
 `validation_sums`) run without Ray.
@@ -63,10 +62,7 @@ def dropout_seed(seed: int, step: int, rank: int) -> int:
 
 def to_batch(columns: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     """numpy columns -> {"input_ids": (B, T) int64 (uint32 on disk), and "sop_labels": (B,) with SOP}."""
-    ids = columns["input_ids"]
-    if ids.dtype == object:  # list columns may arrive as an array of arrays
-        ids = np.stack(ids)
-    batch = {"input_ids": torch.from_numpy(ids.astype(np.int64))}  # (B, T)
+    batch = {"input_ids": torch.from_numpy(columns["input_ids"].astype(np.int64))}  # (B, T)
     if SOP_COLUMN in columns:
         batch["sop_labels"] = torch.from_numpy(np.asarray(columns[SOP_COLUMN]).astype(np.int64))  # (B,)
     return batch
@@ -253,32 +249,18 @@ class SafetensorsFile(Mapping):
         return len(self._keys)
 
 
-def numpy_columns(table) -> dict[str, np.ndarray]:
-    """A pyarrow micro-batch -> {"input_ids": (B, T) uint32, and sop_label (B,) when read}, without copies."""
-    ids = table.column("input_ids").combine_chunks()
-    columns = {"input_ids": np.asarray(ids.flatten()).reshape(len(table), -1)}  # (B, T)
-    if SOP_COLUMN in table.column_names:
-        columns[SOP_COLUMN] = table.column(SOP_COLUMN).to_numpy()
-    return columns
-
-
 def micro_batches(job: LoopJob, rank: int, world: int, state: TrainState) -> Iterator[tuple[int, int, dict]]:
     """Endless (epoch, index in epoch, batch) of this worker, starting at the saved data position."""
     cfg = job.cfg
-    split = data.blocks(job.train_files)
-    if len(split) < world:
-        raise RuntimeError(f"the train split has {len(split)} blocks of <= {data.BLOCK_ROWS} sequences, fewer than "
-                           f"{world} workers; tokenize more text or use fewer workers")
+    split = data.Sequences(job.train_files, job.objective.shard_columns)
+    if data.batches_per_epoch(len(split), world, cfg.micro_batch_size) == 0:
+        raise RuntimeError(f"the train split has {len(split)} sequences, fewer than micro_batch_size x workers = "
+                           f"{cfg.micro_batch_size * world}; tokenize more text or use fewer workers")
     epoch, skip = state.epoch, state.batch_in_epoch
     while True:
-        n = 0
-        for n, table in enumerate(data.rank_batches(split, cfg.seed, epoch, rank, world, cfg.micro_batch_size,
-                                                    cfg.shuffle_buffer, job.objective.shard_columns), start=1):
-            if n > skip:
-                yield epoch, n - 1, to_batch(numpy_columns(table))
-        if n == 0:
-            raise RuntimeError(f"worker {rank}: its blocks hold fewer than micro_batch_size={cfg.micro_batch_size} "
-                               f"sequences; use more data or fewer workers")
+        for n, columns in enumerate(data.rank_batches(split, cfg.seed, epoch, rank, world, cfg.micro_batch_size,
+                                                      start=skip), start=skip):
+            yield epoch, n, to_batch(columns)
         epoch, skip = epoch + 1, 0
 
 
@@ -295,32 +277,21 @@ def validation_batches(job: LoopJob, rank: int, world: int) -> list[dict[str, to
     """This worker's slice of a fixed sample of eval_batches x micro x world validation sequences, read once.
 
     The sample is drawn uniformly from the whole validation split (seeded by `seed`), not its first rows: the
-    shards hold documents in corpus order, so a head would measure one source. Plain pyarrow rather than Ray
+    shards hold documents in corpus order, so a head would measure one source. Read by index rather than by Ray
     Data: a few thousand fixed rows, re-used at every evaluation, and every rank must run the same number of
     forward passes (ZeRO-3 gathers parameters collectively).
     """
-    import pyarrow as pa
-    import pyarrow.dataset as pads
-
     micro = job.cfg.micro_batch_size
-    dataset = pads.dataset(list(job.val_files), format="parquet")
-    total = dataset.count_rows()
+    split = data.Sequences(job.val_files, job.objective.shard_columns)
+    total = len(split)
     want = min(total, job.cfg.eval_batches * micro * world)
     picked = np.sort(np.random.default_rng(job.cfg.seed).choice(total, size=want, replace=False))
-    table = dataset.take(pa.array(picked, type=pa.int64()), columns=list(job.objective.shard_columns))
-    per_rank = len(table) // world // micro * micro
+    per_rank = want // world // micro * micro
     if per_rank == 0:
-        raise RuntimeError(f"the validation split has {len(table)} sequences, fewer than micro_batch_size x workers "
+        raise RuntimeError(f"the validation split has {total} sequences, fewer than micro_batch_size x workers "
                            f"= {micro * world}; tokenize more validation text")
-    mine = table.slice(rank * per_rank, per_rank)
-    rows = mine.column("input_ids").combine_chunks()
-    ids = torch.from_numpy(np.asarray(rows.flatten()).astype(np.int64)).view(per_rank, job.seq_len)  # (N, T)
-    batches = [{"input_ids": chunk} for chunk in ids.split(micro)]
-    if SOP_COLUMN in table.column_names:
-        sop = torch.from_numpy(mine.column(SOP_COLUMN).to_numpy().astype(np.int64))  # (N,)
-        for batch, labels in zip(batches, sop.split(micro)):
-            batch["sop_labels"] = labels
-    return batches
+    mine = to_batch(split.take(picked[rank * per_rank:(rank + 1) * per_rank]))  # (N, T) ids, (N,) sop labels
+    return [dict(zip(mine, parts)) for parts in zip(*(t.split(micro) for t in mine.values()))]
 
 
 def evaluate(engine, job: LoopJob, masker, batches: list[dict[str, torch.Tensor]], rank: int,

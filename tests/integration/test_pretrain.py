@@ -37,7 +37,7 @@ TRAIN_DOCS, VALIDATION_DOCS = 300, 40
 SEQ_LEN = 64
 BASE = PretrainConfig(num_workers=2, cpus_per_worker=1, zero_stage=2, micro_batch_size=8, train_batch_size=16,
                       lr=2e-3, warmup_steps=4, max_steps=30, eval_interval=10, eval_batches=4, ckpt_interval=10,
-                      log_interval=1, max_failures=0, shuffle_buffer=256, placement_strategy="SPREAD")
+                      log_interval=1, max_failures=0, placement_strategy="SPREAD")
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -151,7 +151,7 @@ def test_tokenizer_pickles_for_ray_workers(vocab):
 # ----------------------------------------------------------------------------------------------- tokenize
 
 def _read_split(art, split):
-    table = pq.read_table(art.path / split)
+    table = tokenize_stage.read_split(art.path / split)
     rows = np.asarray(table.column("input_ids").combine_chunks().flatten().to_numpy()).reshape(len(table), -1)
     return table, rows, table.column("length").to_numpy()
 
@@ -195,10 +195,11 @@ def test_two_sources_in_sorted_order_are_mixed_in_every_window(store, workdir, m
                                                                 ray_local):
     """A corpus given source by source (news articles, then movie-review snippets) is consumed by pretraining
     (2 workers, its epoch order) with each source's share within 5 points of its overall share in every window
-    of 5% of the sequences; without the tokenize shuffle the same corpus is sorted by source. Epoch 2 differs."""
+    of 5% of the sequences, while the tokenize artifact holds it in corpus order, sorted by source. Epoch 2
+    differs."""
     from stages.finetune.tasks import rotten_tomatoes
-    from stages.pretrain.data import batches_per_epoch, blocks
-    from tests.data_order import mixing_deviation, sequence_order
+    from stages.pretrain.data import batches_per_epoch, rank_order
+    from tests.data_order import mixing_deviation
 
     news = [json.loads(line)["text"] for line in open(news_jsonl)][:1200]
     reviews = rotten_tomatoes().train.text_a[:6000]
@@ -210,21 +211,19 @@ def test_two_sources_in_sorted_order_are_mixed_in_every_window(store, workdir, m
     cfg = dataclasses.replace(TOKENIZE, max_seq_len=32, rows_per_shard=4_000)
     art, _ = build(store, workdir, module_tracker, tokenize_stage, cfg, {"corpus": corpus, "vocab": vocab[0]},
                    "tokens-two-sources")
-    files = sorted(str(p) for p in (art.path / "train").glob("*.parquet"))
-    owners = np.array(pq.read_table(files, columns=["doc_id"]).column(0).to_pylist())
+    owners = np.array(tokenize_stage.read_split(art.path / "train", ["doc_id"]).column(0).to_pylist())
     assert set(owners) <= {d["doc_id"] for d in docs}  # provenance: every sequence names a corpus document
     source = np.char.startswith(owners.astype(str), "review").astype(int)  # (N,) in file order
     assert 0.1 < source.mean() < 0.5 and len(source) > 20_000
 
-    split, world, micro = blocks(files), 2, 16
+    n, world, micro = len(source), 2, 16
     def consumed(epoch: int) -> np.ndarray:  # step by step, rank 0's micro-batch then rank 1's
-        per_rank = [sequence_order(split, 0, epoch, r, world, micro, 1_024).reshape(-1, micro) for r in range(world)]
+        per_rank = [rank_order(n, 0, epoch, r, world, micro).reshape(-1, micro) for r in range(world)]
         return np.stack(per_rank, axis=1).reshape(-1)
     order = consumed(0)
-    assert len(order) == batches_per_epoch(split, 0, 0, world, micro) * world * micro
+    assert len(order) == batches_per_epoch(n, world, micro) * world * micro
     assert mixing_deviation(source[order]) < 5
-    position = {d["doc_id"]: i for i, d in enumerate(docs)}  # packing order = corpus order, before the shuffle
-    packed = source[np.argsort([position[o] for o in owners], kind="stable")]
+    packed = source  # the files hold the corpus order: sorted by source
     assert mixing_deviation(packed) > 40
     print(f"largest source-share gap in a 5% window: {mixing_deviation(packed):.1f} points in corpus order, "
           f"{mixing_deviation(source[order]):.2f} as pretraining consumes it ({len(order):,} sequences)")
@@ -266,7 +265,7 @@ def test_encoder_threads_do_not_change_the_shards(vocab, corpus, tmp_path):
         packer = tokenize_stage.PackDocuments(tok, TOKENIZE.max_seq_len, TOKENIZE.batch_size, 100, str(out), threads)
         files = [name for name, *_ in packer.tokenize_unit("train", str(shard), 0, 7)]
         assert files and all(name.startswith("train/part-00007-") for name in files)
-        tables.append(pa.concat_tables([tokenize_stage.read_staged(str(out / name)) for name in files]))
+        tables.append(pa.concat_tables([pa.ipc.open_file(str(out / name)).read_all() for name in files]))
     assert tables[0].equals(tables[1]) and tables[0].num_rows > 100  # rows_per_shard=100: several shards
 
 
@@ -277,7 +276,7 @@ def test_segment_pairs_for_sentence_order(store, workdir, module_tracker, corpus
     art, _ = build(store, workdir, module_tracker, tokenize_stage, cfg, {"corpus": corpus, "vocab": vocab[0]},
                    "tokens-sop")
     tok = Tokenizer.load(vocab[0].path)
-    table = pq.read_table(art.path / "train")
+    table = tokenize_stage.read_split(art.path / "train")
     ids = np.stack(table.column("input_ids").to_numpy(zero_copy_only=False))
     labels = table.column("sop_label").to_numpy()
     pairs = labels != -100
@@ -287,7 +286,7 @@ def test_segment_pairs_for_sentence_order(store, workdir, module_tracker, corpus
     assert all(row[n - 1] == tok.sep_id and not row[n:].any() for row, n in zip(ids, lengths))
     again, _ = build(store, workdir, module_tracker, tokenize_stage, cfg, {"corpus": corpus, "vocab": vocab[0]},
                      "tokens-sop-2")
-    assert pq.read_table(again.path / "train").equals(table)
+    assert tokenize_stage.read_split(again.path / "train").equals(table)
 
 
 # ----------------------------------------------------------------------------------------------- bad input

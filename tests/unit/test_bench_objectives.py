@@ -63,3 +63,39 @@ def test_tables_and_fine_tuned_backbone_of_each_sharing(sharing):
     else:
         assert abs(stats["row_cos_E_G_E_D"]) < 0.2  # two independent random tables
         assert not torch.equal(e_d, e_g)
+
+
+def test_sequences_are_read_from_the_arrow_shards_in_corpus_order(tmp_path):
+    from core.artifacts import MANIFEST, SUCCESS
+    from stages.tokenize import ShardWriter, pack, to_table
+
+    art, vocab = tmp_path / "artifacts" / "tokenize" / "tok", tmp_path / "artifacts" / "vocab" / "voc"
+    (art / "train").mkdir(parents=True)
+    vocab.mkdir(parents=True)
+    (vocab / SUCCESS).write_text("")
+    docs = [list(range(10 + 9 * d, 19 + 9 * d)) for d in range(6)]
+    parts = [pack(docs[2 * k:2 * k + 2], max_seq_len=8, cls_id=1, sep_id=2, pad_id=0)[:2] for k in range(3)]
+    for k in (1, 0, 2):  # written out of order: the split is the files in name order
+        table = to_table(*parts[k], [f"doc-{k}"] * len(parts[k][1]))
+        shard = ShardWriter(art, f"train/part-00000-{k:03d}.arrow", table.schema, 0.0)
+        shard.add(table)
+        shard.close()
+    (art / MANIFEST).write_text('{"created_at": "2024", "inputs": {"vocab": "voc"}}')
+    assert bench.find_artifacts(tmp_path) is None  # not finished
+    (art / SUCCESS).write_text("")
+    assert bench.find_artifacts(tmp_path) == (art, vocab)
+
+    ids = bench.load_sequences(art, "train")
+    assert ids.dtype == np.uint32
+    np.testing.assert_array_equal(ids, np.concatenate([rows for rows, _ in parts]))  # (N, 8)
+
+
+def test_tokenize_artifacts_of_parquet_shards_are_passed_over(tmp_path):
+    from core.artifacts import MANIFEST, SUCCESS
+
+    art = tmp_path / "artifacts" / "tokenize" / "old"
+    (art / "train").mkdir(parents=True)
+    (art / "train" / "part-00000.parquet").write_bytes(b"")
+    (art / MANIFEST).write_text('{"created_at": "2024", "inputs": {"vocab": "voc"}}')
+    (art / SUCCESS).write_text("")
+    assert bench.find_artifacts(tmp_path) is None  # so `ensure_artifacts` makes a current one

@@ -130,10 +130,9 @@ def test_lone_sentences_and_long_sentences_make_no_pair():
 
 
 def _coded_shards(tmp_path, seq_len: int = 16) -> tuple[list[str], int]:
-    """Two segment-pair shards of several row groups whose rows carry their own label: the token after [CLS] is
-    100 + sop_label (99 for no pair), so any reordering of one column against the other shows."""
+    """Two segment-pair shards of several record batches whose rows carry their own label: the token after [CLS]
+    is 100 + sop_label (99 for no pair), so any reordering of one column against the other shows."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     rng, files, total = np.random.default_rng(0), [], 0
     for f, n in enumerate((700, 333)):
@@ -141,9 +140,10 @@ def _coded_shards(tmp_path, seq_len: int = 16) -> tuple[list[str], int]:
         rows = rng.integers(200, 900, size=(n, seq_len)).astype(np.uint32)  # (n, T)
         rows[:, 0], rows[:, 1] = CLS, np.where(labels == NO_PAIR, 99, 100 + labels)
         ids = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1), type=pa.uint32()), seq_len)
-        path = tmp_path / f"part-{f}.parquet"
-        pq.write_table(pa.table({"input_ids": ids, "sop_label": pa.array(labels, type=pa.int8())}), path,
-                       row_group_size=300)
+        path = tmp_path / f"part-{f}.arrow"
+        table = pa.table({"input_ids": ids, "sop_label": pa.array(labels, type=pa.int8())})
+        with pa.ipc.new_file(str(path), table.schema) as writer:
+            writer.write_table(table, max_chunksize=300)
         files.append(str(path))
         total += n
     return files, total
@@ -159,24 +159,23 @@ def _check_aligned(batch) -> int:
 
 
 def test_labels_stay_with_their_rows_through_the_pretraining_reader(tmp_path):
-    """The pretraining loop's reading (stages.pretrain.data blocks and shuffle windows -> numpy_columns -> to_batch,
-    and the validation sample) hands every row its own sop_label."""
+    """The pretraining loop's reading (stages.pretrain.data rows by index -> to_batch, and the validation sample)
+    hands every row its own sop_label."""
     from deberta.config import debug
     from core.config import PretrainConfig
     import stages.pretrain.data as data
     from stages.pretrain import objective_for
-    from stages.pretrain.loop import LoopJob, numpy_columns, to_batch, validation_batches
+    from stages.pretrain.loop import LoopJob, to_batch, validation_batches
     from training.deepspeed_config import build_deepspeed_config
 
     files, total = _coded_shards(tmp_path)
-    cfg = PretrainConfig(num_workers=2, micro_batch_size=8, train_batch_size=16, sop=True, shuffle_buffer=300,
-                         eval_batches=20)
+    cfg = PretrainConfig(num_workers=2, micro_batch_size=8, train_batch_size=16, sop=True, eval_batches=20)
     objective = objective_for(cfg)
-    split, seen = data.blocks(files), 0
+    split, seen = data.Sequences(files, objective.shard_columns), 0
     for rank in range(2):
-        for table in data.rank_batches(split, cfg.seed, 1, rank, 2, 8, cfg.shuffle_buffer, objective.shard_columns):
-            seen += _check_aligned(to_batch(numpy_columns(table)))
-    assert seen == 2 * 8 * data.batches_per_epoch(split, cfg.seed, 1, 2, 8) > total * 0.8  # shuffled, most rows
+        for columns in data.rank_batches(split, cfg.seed, 1, rank, 2, 8):
+            seen += _check_aligned(to_batch(columns))
+    assert seen == 2 * 8 * data.batches_per_epoch(total, 2, 8) > total * 0.95  # shuffled, nearly every row
     job = LoopJob(cfg=cfg, objective=objective, model=debug(), ds_config=build_deepspeed_config(cfg, 2, False), seq_len=16, train_files=tuple(files), val_files=tuple(files),
                   tokenizer_len=1000, mask_id=999, special_ids=(0, 1, 2, 3), word_start=b"", train_flops_per_token=0.0,
                   tracker=None)

@@ -72,8 +72,8 @@ def test_sample_is_independent_of_sharding_and_order(tmp_path):
     assert sample_threshold([tmp_path / "one.parquet"], k=5000, seed=3) == int(doc_hashes(ids, 3).max())
 
 
-def test_shard_writes_whole_row_groups_whatever_the_batches(tmp_path):
-    from stages.tokenize import ROW_GROUP_ROWS, ShardWriter
+def test_shard_writes_whole_record_batches_whatever_the_batches(tmp_path):
+    from stages.tokenize import BATCH_ROWS, ShardWriter
 
     rng = np.random.default_rng(1)
     shard = None
@@ -81,49 +81,13 @@ def test_shard_writes_whole_row_groups_whatever_the_batches(tmp_path):
         rows, lengths, _ = pack([rng.integers(4, 100, size=int(n)).tolist() for n in rng.integers(50, 600, 80)],
                              max_seq_len=8, cls_id=CLS, sep_id=SEP, pad_id=PAD)
         table = to_table(rows[:65], lengths[:65], ["d"] * 65)
-        shard = shard or ShardWriter(tmp_path, "part.parquet", table.schema, 0.0)
+        shard = shard or ShardWriter(tmp_path, "part.arrow", table.schema, 0.0)
         shard.add(table)
     name, sequences, tokens, _ = shard.close()
-    meta = pq.ParquetFile(tmp_path / name).metadata
-    sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
-    assert sequences == 40 * 65 == sum(sizes) and sizes[:-1] == [ROW_GROUP_ROWS] * (len(sizes) - 1)
-    assert tokens == int(pq.read_table(tmp_path / name).column("length").to_numpy().sum())
-
-
-def test_two_pass_shuffle_is_a_seeded_permutation_of_every_sequence(tmp_path):
-    """Pass 1 (StagedWriter: random keys, sorted) and pass 2 (write_bucket: key ranges merged) on staged shards of
-    uneven sizes: every sequence lands in exactly one output shard, the shards' concatenation is sorted by key (a
-    uniform permutation: independent of the staged order), and the same seed gives the same files."""
-    from stages.tokenize import KEY, StagedWriter, bucket_bounds, read_staged, write_bucket
-    from tests.data_order import mixing_deviation
-
-    def shuffled(root, seed: int) -> list[int]:
-        (root / "train").mkdir(parents=True)
-        staged = []
-        for unit, n in enumerate((700, 1300, 5, 0, 1000)):  # sequence i: input_ids [i, i], length 2
-            start = sum((700, 1300, 5, 0, 1000)[:unit])
-            ids = np.repeat(np.arange(start, start + n, dtype=np.uint32), 2).reshape(-1, 2)
-            if n:
-                writer = StagedWriter(root, f"train/part-{unit:05d}-000.arrow", (seed, unit, 0), 0.0)
-                writer.add(to_table(ids, np.full(n, 2, np.int32), [f"d{unit}"] * n))
-                assert writer.close()[1:3] == (n, 2 * n)
-                keys = read_staged(str(root / f"train/part-{unit:05d}-000.arrow")).column(KEY).to_numpy()
-                assert (np.diff(keys.astype(np.float64)) >= 0).all()  # written sorted by key
-                staged.append(str(root / f"train/part-{unit:05d}-000.arrow"))
-        buckets = 3
-        out = write_bucket({"bucket": np.arange(buckets)}, staged, buckets, str(root))
-        assert out["file"] == [f"train/part-{b:05d}.parquet" for b in range(buckets)]
-        tables = [pq.read_table(root / f) for f in out["file"]]
-        assert [t.num_rows for t in tables] == out["sequences"] and all(t.num_rows > 700 for t in tables)
-        assert all(t.column_names == ["input_ids", "length", "doc_id"] for t in tables)
-        return [row[0] for t in tables for row in t.column("input_ids").to_pylist()]
-
-    order = shuffled(tmp_path / "a", seed=5)
-    assert sorted(order) == list(range(3005))  # every sequence exactly once
-    assert order == shuffled(tmp_path / "b", seed=5) and order != shuffled(tmp_path / "c", seed=6)
-    units = np.digitize(order, [700, 2000, 2005])  # which staged shard each came from
-    assert mixing_deviation(units) < 15 and mixing_deviation(np.sort(units)) > 40  # binomial noise: ~4 points a window
-    assert bucket_bounds(0, 3)[0] == 0 and bucket_bounds(2, 3)[1] == 1 << 64
+    reader = pa.ipc.open_file(pa.memory_map(str(tmp_path / name)))
+    sizes = [reader.get_batch(i).num_rows for i in range(reader.num_record_batches)]
+    assert sequences == 40 * 65 == sum(sizes) and sizes[:-1] == [BATCH_ROWS] * (len(sizes) - 1)
+    assert tokens == int(reader.read_all().column("length").to_numpy().sum())
 
 
 def test_documents_are_packed_batch_size_at_a_time_however_many_are_read_at_once(tmp_path, monkeypatch):
@@ -150,6 +114,6 @@ def test_documents_are_packed_batch_size_at_a_time_however_many_are_read_at_once
         (out / "validation").mkdir(parents=True)
         packer = tokenize.PackDocuments(tok, max_seq_len=32, batch_size=batch, rows_per_shard=10**6, out=str(out))
         [(name, sequences, _, _)] = list(packer.tokenize_unit("validation", str(tmp_path / "c.parquet"), 0, 0))
-        got = pq.read_table(out / name)
+        got = pa.ipc.open_file(str(out / name)).read_all()
         assert sequences == len(rows) and got.column("input_ids").to_pylist() == rows
         assert got.column("doc_id").to_pylist() == owners
