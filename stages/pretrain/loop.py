@@ -10,8 +10,8 @@ seed, epoch and rank (`stages.pretrain.data`: a permutation of all sequences per
 on resume every worker redraws epoch `epoch` and starts at micro-batch `batch_in_epoch` (nothing before it is
 read) - the next step sees exactly the batches it would have seen without the interruption. Span masks are a
 pure function of (seed, step, micro-batch, rank) and the dropout RNG is reseeded from (seed, step, rank) every
-step, so a resumed run repeats the uninterrupted one step for step. The step and the validation pass themselves (`train_step`,
-`validation_sums`) run without Ray.
+step, so a resumed run repeats the uninterrupted one step for step. The step and the validation pass
+themselves (`train_step`, `validation_sums`) run without Ray.
 
 Side effects (prints, MLflow) happen on world rank 0 only, through `RankZero`.
 """
