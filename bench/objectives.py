@@ -92,18 +92,20 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------------------------------- data
 
 def find_artifacts(workdir: Path) -> tuple[Path, Path] | None:
-    """(tokenize artifact, its vocab artifact): the newest finished tokenize artifact under workdir with Arrow IPC
-    shards (older versions of the stage wrote Parquet: passed over, so that `ensure_artifacts` remakes one), else
-    None."""
+    """(tokenize artifact, its vocab artifact): the newest finished tokenize artifact under workdir written by this
+    version of the stage (an older one may hold another format: passed over, so that `ensure_artifacts` remakes
+    one), else None."""
     from core.artifacts import MANIFEST, SUCCESS
+    from stages.tokenize import VERSION
 
     root = workdir / "artifacts" / "tokenize"
     found = root.glob("*") if root.is_dir() else []
-    done = [p for p in found if (p / SUCCESS).is_file() and any((p / "train").glob("*.arrow"))]
+    manifests = {p: json.loads((p / MANIFEST).read_text()) for p in found if (p / SUCCESS).is_file()}
+    done = [p for p, m in manifests.items() if m.get("version") == VERSION]
     if not done:
         return None
-    tok_dir = max(done, key=lambda p: json.loads((p / MANIFEST).read_text())["created_at"])
-    vocab_dir = workdir / "artifacts" / "vocab" / json.loads((tok_dir / MANIFEST).read_text())["inputs"]["vocab"]
+    tok_dir = max(done, key=lambda p: manifests[p]["created_at"])
+    vocab_dir = workdir / "artifacts" / "vocab" / manifests[tok_dir]["inputs"]["vocab"]
     if not (vocab_dir / SUCCESS).is_file():
         raise SystemExit(f"error: tokenize artifact {tok_dir} names vocab artifact {vocab_dir.name}, which is not "
                          f"finished; re-run `python -m pipeline.run --until tokenize --workdir {workdir}`")

@@ -38,12 +38,13 @@ class Sequences:
     def __init__(self, files: Sequence[str | Path], columns: Sequence[str]):
         self.columns = tuple(columns)
         self.chunks: list[dict[str, np.ndarray]] = []  # per record batch: column -> zero-copy numpy view
+        sizes = []
         for path in files:
             reader = pa.ipc.open_file(pa.memory_map(str(path)))
             for b in range(reader.num_record_batches):
                 batch = reader.get_batch(b)
                 self.chunks.append({name: _numpy(batch.column(name)) for name in self.columns})
-        sizes = [len(next(iter(c.values()))) if c else 0 for c in self.chunks]
+                sizes.append(batch.num_rows)
         self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # (chunks + 1,) first row of each
 
     def __len__(self) -> int:

@@ -67,7 +67,7 @@ def test_tables_and_fine_tuned_backbone_of_each_sharing(sharing):
 
 def test_sequences_are_read_from_the_arrow_shards_in_corpus_order(tmp_path):
     from core.artifacts import MANIFEST, SUCCESS
-    from stages.tokenize import ShardWriter, pack, to_table
+    from stages.tokenize import VERSION, ShardWriter, pack, to_table
 
     art, vocab = tmp_path / "artifacts" / "tokenize" / "tok", tmp_path / "artifacts" / "vocab" / "voc"
     (art / "train").mkdir(parents=True)
@@ -80,7 +80,7 @@ def test_sequences_are_read_from_the_arrow_shards_in_corpus_order(tmp_path):
         shard = ShardWriter(art, f"train/part-00000-{k:03d}.arrow", table.schema, 0.0)
         shard.add(table)
         shard.close()
-    (art / MANIFEST).write_text('{"created_at": "2024", "inputs": {"vocab": "voc"}}')
+    (art / MANIFEST).write_text(f'{{"created_at": "2024", "version": "{VERSION}", "inputs": {{"vocab": "voc"}}}}')
     assert bench.find_artifacts(tmp_path) is None  # not finished
     (art / SUCCESS).write_text("")
     assert bench.find_artifacts(tmp_path) == (art, vocab)
@@ -96,6 +96,6 @@ def test_tokenize_artifacts_of_parquet_shards_are_passed_over(tmp_path):
     art = tmp_path / "artifacts" / "tokenize" / "old"
     (art / "train").mkdir(parents=True)
     (art / "train" / "part-00000.parquet").write_bytes(b"")
-    (art / MANIFEST).write_text('{"created_at": "2024", "inputs": {"vocab": "voc"}}')
+    (art / MANIFEST).write_text('{"created_at": "2024", "version": "5", "inputs": {"vocab": "voc"}}')
     (art / SUCCESS).write_text("")
     assert bench.find_artifacts(tmp_path) is None  # so `ensure_artifacts` makes a current one
