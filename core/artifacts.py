@@ -16,6 +16,7 @@ already shows in the size.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import errno
@@ -38,6 +39,7 @@ MANIFEST = "manifest.json"
 ID_LENGTH = 16
 BUILDING, REPLACED = ".tmp-", ".old-"
 """Prefixes of a build in progress and of a finished artifact a `--force` rebuild replaced: `<prefix><id>-<hex>`."""
+HASH_THREADS = max(2, os.cpu_count() or 1)  # files hashed at once when an artifact is finished
 
 
 def canonical_json(obj: Any) -> str:
@@ -230,10 +232,11 @@ def watching_writes(root: Path) -> Iterator[Callable[[], str | None]]:
 
 
 def _finish(tmp: Path, manifest: dict[str, Any]) -> None:
-    files = {}
-    for p in sorted(tmp.rglob("*")):
-        if p.is_file():
-            files[str(p.relative_to(tmp))] = {"sha256": file_digest(p), "bytes": p.stat().st_size}
+    paths = [p for p in sorted(tmp.rglob("*")) if p.is_file()]
+    # hashlib and file reads release the GIL: threads hash several files at once (a stage's shards are many)
+    with concurrent.futures.ThreadPoolExecutor(min(HASH_THREADS, len(paths) or 1)) as pool:
+        digests = list(pool.map(file_digest, paths))
+    files = {str(p.relative_to(tmp)): {"sha256": d, "bytes": p.stat().st_size} for p, d in zip(paths, digests)}
     full = dict(manifest, files=files, code_version=code_version(), created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     (tmp / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=True, default=str))
     (tmp / SUCCESS).write_text("")  # written last: its presence means the artifact is complete

@@ -1,5 +1,6 @@
 """Artifact ids are stable and sensitive; artifacts appear atomically or not at all."""
 
+import hashlib
 import json
 
 import pytest
@@ -126,10 +127,14 @@ def test_verify_sizes_always_digests_on_demand(tmp_path):
     from core.errors import StageInputError
 
     store = ArtifactStore(tmp_path)
+    contents = {f"train/{k}.parquet": bytes(range(256)) * (4 + k) for k in range(5)}  # hashed by several threads
     with store.building("corpus", "c1", {}) as out:
         (out / "train").mkdir()
-        (out / "train" / "0.parquet").write_bytes(bytes(range(256)) * 4)
+        for rel, data in contents.items():
+            (out / rel).write_bytes(data)
     art = store.find("corpus", "c1")
+    assert {rel: entry["sha256"] for rel, entry in art.manifest["files"].items()} == {
+        rel: hashlib.sha256(data).hexdigest() for rel, data in contents.items()}
     verify(art, digests=True)
     shard = art.path / "train" / "0.parquet"
     shard.write_bytes(bytes(range(256)) * 2)  # truncated
