@@ -15,7 +15,10 @@ head the run starts before its first stage is not; that start-up is recorded apa
 ratio is given both ways), docs/s/core, tokens/s/core, the CPU time of the run's whole process tree (driver, raylet, Ray workers,
 Ray's own daemons; user + system, sampled every 0.5 s), the peak proportional set size (PSS) summed over that tree
 and the bytes Ray spilled (its spill files, sampled). On a shared machine the wall time and the rates per core
-measure the load as much as the code; the CPU seconds (and the peers' CPU seconds) do not.
+measure the load as much as the code, and the load moves from minute to minute: so each size is measured
+`--repeats` times (default 3), every repeat running the pipelines and then the peers, each ratio is taken within
+its repeat, and the row reports the median of each figure over the repeats (peaks and spills: the largest), with
+every repeat's figures kept beside it in the JSON.
 
 Side by side in the same run:
 - corpus: datasketch on its fast path (exact dedup by a dict of normalised texts, `MinHash.bulk`, one
@@ -383,7 +386,9 @@ def quality(corpus_art: Path, truth: dict[tuple[int, int], float], sample_ids: l
 # ----------------------------------------------------------------------------------------------- one size
 
 def measure(pool: list[str], n: int, root: Path, trees: dict[str, Path], args: argparse.Namespace) -> dict:
-    """Build the n-document corpus, run each source tree's pipeline on it in turn, run the peers; the size's row."""
+    """Build the n-document corpus; `args.repeats` times, run each source tree's pipeline on it in turn, then the
+    peers; the size's row. Every ratio is taken within one repeat (the stage against the peers measured right after
+    it) and the row reports their median over the repeats, with each repeat's figures beside it."""
     raw = root / f"raw-{n}"
     texts, ids, family = build_corpus(pool, n, raw)
     rng = np.random.default_rng(2)
@@ -394,51 +399,92 @@ def measure(pool: list[str], n: int, root: Path, trees: dict[str, Path], args: a
     start = time.perf_counter()
     truth = true_pairs(sample_texts, min(args.threshold, 0.8))
     row = {"documents": n, "jsonl_mb": round(sum(os.path.getsize(p) for p in raw.iterdir()) / 1e6, 1),
-           "brute_force_s": round(time.perf_counter() - start, 1), "runs": {}}
-    for label, tree in trees.items():
-        workdir = root / f"work-{n}-{label}"
-        run = run_pipeline(tree, workdir, raw, args.cpus, args.object_store_gb, args.set)
-        corpus_art, vocab_art, tok_art = (artifact(workdir, s) for s in STAGES)
-        report = json.loads((corpus_art / "report.json").read_text())
-        splits = json.loads((tok_art / "tokens.json").read_text())["splits"]
-        row["runs"][label] = {"pipeline": run, "corpus_counts": report["counts"], "corpus_timings": report["timings"],
-                              "sequences": sum(s["sequences"] for s in splits.values()),
-                              "tokenize_gb": round(sum(f.stat().st_size for f in tok_art.rglob("*") if f.is_file())
-                                                   / 1e9, 3),
-                              "quality": quality(corpus_art, truth, sample_ids, args.threshold)}
-        if label == list(trees)[-1]:  # the peers read the text and vocabulary of the last run
-            row["encode_1"] = encode_peer(vocab_art, corpus_art, 1)
-            row["encode_2"] = encode_peer(vocab_art, corpus_art, 2)
-            row["pretrain_read"] = read_cost(tok_art)
-        if not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-    row["datasketch"] = datasketch_peer(peer_texts, args.num_perm, args.threshold)
-    tokens, cpus = row["encode_1"]["tokens"], args.cpus  # content tokens: the same count for the stage and the peers
-    for run in row["runs"].values():
-        st = run["pipeline"]["stages"]
-        run["derived"] = {
-            "corpus_docs_per_s_per_core": round(n / st["corpus"]["seconds"] / cpus),
-            "corpus_vs_datasketch_per_core": round(n / st["corpus"]["seconds"] / cpus
-                                                   / row["datasketch"]["docs_per_s_per_core"], 2),
-            # the same with the run's start-up (Ray's included) counted as the corpus stage's
-            "corpus_vs_datasketch_per_core_with_startup": round(
-                n / (st["corpus"]["seconds"] + run["pipeline"]["startup_s"]) / cpus
-                / row["datasketch"]["docs_per_s_per_core"], 2),
-            "tokenize_tokens_per_s_per_core": round(tokens / st["tokenize"]["seconds"] / cpus),
-            "tokenize_vs_two_processes": round(row["encode_2"]["seconds"] / st["tokenize"]["seconds"], 2),
-            # the same two ratios by CPU time, which another load on the machine does not move
-            "corpus_vs_datasketch_per_cpu_s": round(n / st["corpus"]["cpu_s"] / row["datasketch"]["docs_per_cpu_s"], 2),
-            "tokenize_vs_two_processes_cpu_s": round(row["encode_2"]["cpu_s"] / st["tokenize"]["cpu_s"], 2),
-        }
+           "brute_force_s": round(time.perf_counter() - start, 1), "runs": {label: {"repeats": []} for label in trees},
+           "peer_repeats": []}
+    for rep in range(args.repeats):
+        peers = {}
+        for label, tree in trees.items():
+            workdir = root / f"work-{n}-{label}-{rep}"
+            run = run_pipeline(tree, workdir, raw, args.cpus, args.object_store_gb, args.set)
+            corpus_art, vocab_art, tok_art = (artifact(workdir, s) for s in STAGES)
+            out = row["runs"][label]
+            out["repeats"].append({"pipeline": run,
+                                   "corpus_timings": json.loads((corpus_art / "report.json").read_text())["timings"]})
+            if rep == 0:  # the same artifacts every repeat (same inputs, same bytes): counted and checked once
+                splits = json.loads((tok_art / "tokens.json").read_text())["splits"]
+                out.update(corpus_counts=json.loads((corpus_art / "report.json").read_text())["counts"],
+                           sequences=sum(s["sequences"] for s in splits.values()),
+                           tokenize_gb=round(sum(f.stat().st_size for f in tok_art.rglob("*") if f.is_file()) / 1e9, 3),
+                           quality=quality(corpus_art, truth, sample_ids, args.threshold))
+            if label == list(trees)[-1]:  # the peers read the text and vocabulary of the last run
+                peers["encode_2"] = encode_peer(vocab_art, corpus_art, 2)
+                if rep == 0:
+                    row["encode_1"] = encode_peer(vocab_art, corpus_art, 1)
+                    row["pretrain_read"] = read_cost(tok_art)
+            if not args.keep:
+                shutil.rmtree(workdir, ignore_errors=True)
+        peers["datasketch"] = datasketch_peer(peer_texts, args.num_perm, args.threshold)
+        row["peer_repeats"].append(peers)
+    # the peers' medians, under the keys a single run's row had
+    for peer, keys in (("encode_2", ("seconds", "cpu_s")), ("datasketch", ("seconds", "cpu_s"))):
+        reps = [p[peer] for p in row["peer_repeats"]]
+        row[peer] = dict(reps[0], **{k: median([r[k] for r in reps]) for k in keys})
+    row["encode_2"]["tokens_per_s_per_core"] = round(row["encode_2"]["tokens"] / row["encode_2"]["seconds"] / 2)
+    ds = row["datasketch"]
+    ds.update(docs_per_s_per_core=round(ds["documents"] / ds["seconds"]), docs_per_cpu_s=round(ds["documents"] / ds["cpu_s"]))
+    tokens = row["encode_1"]["tokens"]  # content tokens: the same count for the stage and the peers
+    for out in row["runs"].values():
+        for rep, peers in zip(out["repeats"], row["peer_repeats"]):
+            rep["derived"] = derived(n, tokens, args.cpus, rep["pipeline"], peers["encode_2"], peers["datasketch"])
+        out["pipeline"] = median_run([r["pipeline"] for r in out["repeats"]])
+        out["corpus_timings"] = {k: median([r["corpus_timings"][k] for r in out["repeats"]])
+                                 for k in out["repeats"][0]["corpus_timings"]}
+        out["derived"] = {k: median([r["derived"][k] for r in out["repeats"]]) for k in out["repeats"][0]["derived"]}
     if not args.keep:
         shutil.rmtree(raw, ignore_errors=True)
     return row
 
 
+def median(values: list[float]) -> float:
+    """The median, an int for ints (a rate) when it is one."""
+    m = float(np.median(values))
+    return round(m) if all(isinstance(v, int) for v in values) else round(m, 3)
+
+
+def median_run(runs: list[dict]) -> dict:
+    """One run's figures from several: the median of times and CPU seconds, the largest peak and spill."""
+    out = {"wall_s": median([r["wall_s"] for r in runs]), "startup_s": median([r["startup_s"] for r in runs]),
+           "peak_pss_gb": max(r["peak_pss_gb"] for r in runs), "stages": {}}
+    for stage in STAGES:
+        st = [r["stages"][stage] for r in runs]
+        out["stages"][stage] = {"seconds": median([s["seconds"] for s in st]), "cpu_s": median([s["cpu_s"] for s in st]),
+                                "peak_pss_gb": max(s["peak_pss_gb"] for s in st),
+                                "spilled_gb": max(s["spilled_gb"] for s in st)}
+    return out
+
+
+def derived(n: int, tokens: int, cpus: int, run: dict, encode_2: dict, datasketch: dict) -> dict:
+    """A run's rates and its ratios to the peers measured in the same repeat."""
+    st = run["stages"]
+    return {
+        "corpus_docs_per_s_per_core": round(n / st["corpus"]["seconds"] / cpus),
+        "corpus_vs_datasketch_per_core": round(n / st["corpus"]["seconds"] / cpus / datasketch["docs_per_s_per_core"], 2),
+        # the same with the run's start-up (Ray's included) counted as the corpus stage's
+        "corpus_vs_datasketch_per_core_with_startup": round(
+            n / (st["corpus"]["seconds"] + run["startup_s"]) / cpus / datasketch["docs_per_s_per_core"], 2),
+        "tokenize_tokens_per_s_per_core": round(tokens / st["tokenize"]["seconds"] / cpus),
+        "tokenize_vs_two_processes": round(encode_2["seconds"] / st["tokenize"]["seconds"], 2),
+        # the same two ratios by CPU time, which another load on the machine does not move
+        "corpus_vs_datasketch_per_cpu_s": round(n / st["corpus"]["cpu_s"] / datasketch["docs_per_cpu_s"], 2),
+        "tokenize_vs_two_processes_cpu_s": round(encode_2["cpu_s"] / st["tokenize"]["cpu_s"], 2),
+    }
+
+
 # ----------------------------------------------------------------------------------------------- output
 
 def table(report: dict) -> str:
-    lines = [f"{report['cpus']} CPUs, object store {report['object_store_gb']} GB; trees: "
+    lines = [f"{report['cpus']} CPUs, object store {report['object_store_gb']} GB, medians of {report.get('repeats', 1)} "
+             f"repeat(s); trees: "
              + ", ".join(f"{k} ({v})" for k, v in report["trees"].items()),
              f"{'docs':>9}{'run':>16}{'stage':>10}{'s':>8}{'peak GB':>9}{'spill GB':>9}{'rate/core':>12}{'peer/core':>11}"
              f"{'ratio':>7}{'cpu s':>8}{'cpu ratio':>10}"]
@@ -464,6 +510,12 @@ def table(report: dict) -> str:
             q = run["quality"]
             lines.append(f"{'':>25}{'quality':>10}  {q['documents']:,} docs, {q['true_pairs_j>=0.8']} true pairs >= 0.8: "
                          f"precision {q['precision']}, recall {q['recall_j>=0.8']}")
+            if len(run.get("repeats", [])) > 1:
+                each = {k: ", ".join(str(r["derived"][k]) for r in run["repeats"]) for k in run["derived"]}
+                lines.append(f"{'':>25}{'repeats':>10}  tokenize s {', '.join(str(r['pipeline']['stages']['tokenize']['seconds']) for r in run['repeats'])}; "
+                             f"vs 2 plain processes {each['tokenize_vs_two_processes']} (CPU {each['tokenize_vs_two_processes_cpu_s']}); "
+                             f"tokens/s/core {each['tokenize_tokens_per_s_per_core']}; corpus vs datasketch with start-up "
+                             f"{each['corpus_vs_datasketch_per_core_with_startup']}")
             if "tokenize_gb" in run:
                 lines.append(f"{'':>25}{'tokens':>10}  {run['sequences']:,} sequences, {run['tokenize_gb']} GB on disk")
         if "pretrain_read" in row:
@@ -493,6 +545,10 @@ def plot(report: dict, path: Path) -> None:
         for stage, color in (("corpus", "tab:blue"), ("tokenize", "tab:orange"), ("vocab", "tab:gray")):
             stats = [r["runs"][label]["pipeline"]["stages"][stage] for r in rows]
             cost.plot(mine, [s["seconds"] for s in stats], style, marker="o", color=color, label=f"{stage} ({label})")
+            each = [(r["documents"], rep["pipeline"]["stages"][stage]["seconds"]) for r in rows
+                    for rep in r["runs"][label].get("repeats", [])]
+            if each:  # every repeat, around its median
+                cost.scatter(*zip(*each), s=8, color=color, alpha=0.5)
             mem.plot(mine, [s["peak_pss_gb"] for s in stats], style, marker="o", color=color, label=f"{stage} ({label})")
         mem.plot(mine, [r["runs"][label]["pipeline"]["stages"]["corpus"]["spilled_gb"] for r in rows],
                  style, marker="x", color="tab:red", label=f"corpus: spilled ({label})")
@@ -524,6 +580,8 @@ def main() -> None:
     p.add_argument("--tree", type=_tree, action="append", default=[],
                    help="LABEL=DIR: also run the pipeline of source tree DIR (e.g. `git archive` of an older commit) on "
                         "each corpus, before this one's (labelled 'this'), so both are measured side by side")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of each tree's pipeline and of the peers per size, interleaved; medians reported")
     p.add_argument("--cpus", type=int, default=2, help="ray.num_cpus of the runs (the cores the rates are per)")
     p.add_argument("--object-store-gb", type=float, default=2.0)
     p.add_argument("--set", action="append", default=[], help="more --set SECTION.KEY=VALUE for pipeline.run")
@@ -548,7 +606,7 @@ def main() -> None:
                                                               capture_output=True, text=True).stdout.strip()
     pool = paragraphs()
     report = {"command": "python -m bench.scale " + " ".join(sys.argv[1:]), "commit": commit, "cpus": args.cpus,
-              "object_store_gb": args.object_store_gb, "pool_paragraphs": len(pool), "num_perm": args.num_perm,
+              "object_store_gb": args.object_store_gb, "repeats": args.repeats, "pool_paragraphs": len(pool), "num_perm": args.num_perm,
               "threshold": args.threshold, "trees": {k: str(v) for k, v in trees.items()}, "sizes": []}
     json_path = Path(args.json) if args.json else None
     for n in args.sizes:
