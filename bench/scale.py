@@ -407,12 +407,11 @@ def measure(pool: list[str], n: int, root: Path, trees: dict[str, Path], args: a
             workdir = root / f"work-{n}-{label}-{rep}"
             run = run_pipeline(tree, workdir, raw, args.cpus, args.object_store_gb, args.set)
             corpus_art, vocab_art, tok_art = (artifact(workdir, s) for s in STAGES)
-            out = row["runs"][label]
-            out["repeats"].append({"pipeline": run,
-                                   "corpus_timings": json.loads((corpus_art / "report.json").read_text())["timings"]})
+            out, report = row["runs"][label], json.loads((corpus_art / "report.json").read_text())
+            out["repeats"].append({"pipeline": run, "corpus_timings": report["timings"]})
             if rep == 0:  # the same artifacts every repeat (same inputs, same bytes): counted and checked once
                 splits = json.loads((tok_art / "tokens.json").read_text())["splits"]
-                out.update(corpus_counts=json.loads((corpus_art / "report.json").read_text())["counts"],
+                out.update(corpus_counts=report["counts"],
                            sequences=sum(s["sequences"] for s in splits.values()),
                            tokenize_gb=round(sum(f.stat().st_size for f in tok_art.rglob("*") if f.is_file()) / 1e9, 3),
                            quality=quality(corpus_art, truth, sample_ids, args.threshold))
@@ -429,7 +428,8 @@ def measure(pool: list[str], n: int, root: Path, trees: dict[str, Path], args: a
     for peer, keys in (("encode_2", ("seconds", "cpu_s")), ("datasketch", ("seconds", "cpu_s"))):
         reps = [p[peer] for p in row["peer_repeats"]]
         row[peer] = dict(reps[0], **{k: median([r[k] for r in reps]) for k in keys})
-    row["encode_2"]["tokens_per_s_per_core"] = round(row["encode_2"]["tokens"] / row["encode_2"]["seconds"] / 2)
+    enc = row["encode_2"]
+    enc["tokens_per_s_per_core"] = round(enc["tokens"] / enc["seconds"] / enc["processes"])
     ds = row["datasketch"]
     ds.update(docs_per_s_per_core=round(ds["documents"] / ds["seconds"]), docs_per_cpu_s=round(ds["documents"] / ds["cpu_s"]))
     tokens = row["encode_1"]["tokens"]  # content tokens: the same count for the stage and the peers
@@ -474,7 +474,8 @@ def derived(n: int, tokens: int, cpus: int, run: dict, encode_2: dict, datasketc
             n / (st["corpus"]["seconds"] + run["startup_s"]) / cpus / datasketch["docs_per_s_per_core"], 2),
         "tokenize_tokens_per_s_per_core": round(tokens / st["tokenize"]["seconds"] / cpus),
         "tokenize_vs_two_processes": round(encode_2["seconds"] / st["tokenize"]["seconds"], 2),
-        # the same two ratios by CPU time, which another load on the machine does not move
+        # the same two ratios by CPU time, which another load on the machine moves less (not never: a shared
+        # core's CPU second does less work)
         "corpus_vs_datasketch_per_cpu_s": round(n / st["corpus"]["cpu_s"] / datasketch["docs_per_cpu_s"], 2),
         "tokenize_vs_two_processes_cpu_s": round(encode_2["cpu_s"] / st["tokenize"]["cpu_s"], 2),
     }
