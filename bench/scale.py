@@ -425,13 +425,13 @@ def measure(pool: list[str], n: int, root: Path, trees: dict[str, Path], args: a
         peers["datasketch"] = datasketch_peer(peer_texts, args.num_perm, args.threshold)
         row["peer_repeats"].append(peers)
     # the peers' medians, under the keys a single run's row had
-    for peer, keys in (("encode_2", ("seconds", "cpu_s")), ("datasketch", ("seconds", "cpu_s"))):
+    for peer in ("encode_2", "datasketch"):
         reps = [p[peer] for p in row["peer_repeats"]]
-        row[peer] = dict(reps[0], **{k: median([r[k] for r in reps]) for k in keys})
-    enc = row["encode_2"]
+        row[peer] = dict(reps[0], **{k: median([r[k] for r in reps]) for k in ("seconds", "cpu_s")})
+    enc, ds = row["encode_2"], row["datasketch"]
     enc["tokens_per_s_per_core"] = round(enc["tokens"] / enc["seconds"] / enc["processes"])
-    ds = row["datasketch"]
-    ds.update(docs_per_s_per_core=round(ds["documents"] / ds["seconds"]), docs_per_cpu_s=round(ds["documents"] / ds["cpu_s"]))
+    ds.update(docs_per_s_per_core=round(ds["documents"] / ds["seconds"]),
+              docs_per_cpu_s=round(ds["documents"] / ds["cpu_s"]))
     tokens = row["encode_1"]["tokens"]  # content tokens: the same count for the stage and the peers
     for out in row["runs"].values():
         for rep, peers in zip(out["repeats"], row["peer_repeats"]):
@@ -457,7 +457,8 @@ def median_run(runs: list[dict]) -> dict:
            "peak_pss_gb": max(r["peak_pss_gb"] for r in runs), "stages": {}}
     for stage in STAGES:
         st = [r["stages"][stage] for r in runs]
-        out["stages"][stage] = {"seconds": median([s["seconds"] for s in st]), "cpu_s": median([s["cpu_s"] for s in st]),
+        out["stages"][stage] = {"seconds": median([s["seconds"] for s in st]),
+                                "cpu_s": median([s["cpu_s"] for s in st]),
                                 "peak_pss_gb": max(s["peak_pss_gb"] for s in st),
                                 "spilled_gb": max(s["spilled_gb"] for s in st)}
     return out
@@ -465,13 +466,13 @@ def median_run(runs: list[dict]) -> dict:
 
 def derived(n: int, tokens: int, cpus: int, run: dict, encode_2: dict, datasketch: dict) -> dict:
     """A run's rates and its ratios to the peers measured in the same repeat."""
-    st = run["stages"]
+    st, peer_rate = run["stages"], datasketch["docs_per_s_per_core"]
     return {
         "corpus_docs_per_s_per_core": round(n / st["corpus"]["seconds"] / cpus),
-        "corpus_vs_datasketch_per_core": round(n / st["corpus"]["seconds"] / cpus / datasketch["docs_per_s_per_core"], 2),
+        "corpus_vs_datasketch_per_core": round(n / st["corpus"]["seconds"] / cpus / peer_rate, 2),
         # the same with the run's start-up (Ray's included) counted as the corpus stage's
         "corpus_vs_datasketch_per_core_with_startup": round(
-            n / (st["corpus"]["seconds"] + run["startup_s"]) / cpus / datasketch["docs_per_s_per_core"], 2),
+            n / (st["corpus"]["seconds"] + run["startup_s"]) / cpus / peer_rate, 2),
         "tokenize_tokens_per_s_per_core": round(tokens / st["tokenize"]["seconds"] / cpus),
         "tokenize_vs_two_processes": round(encode_2["seconds"] / st["tokenize"]["seconds"], 2),
         # the same two ratios by CPU time, which another load on the machine moves less (not never: a shared
@@ -484,8 +485,8 @@ def derived(n: int, tokens: int, cpus: int, run: dict, encode_2: dict, datasketc
 # ----------------------------------------------------------------------------------------------- output
 
 def table(report: dict) -> str:
-    lines = [f"{report['cpus']} CPUs, object store {report['object_store_gb']} GB, medians of {report.get('repeats', 1)} "
-             f"repeat(s); trees: "
+    lines = [f"{report['cpus']} CPUs, object store {report['object_store_gb']} GB, medians of "
+             f"{report.get('repeats', 1)} repeat(s); trees: "
              + ", ".join(f"{k} ({v})" for k, v in report["trees"].items()),
              f"{'docs':>9}{'run':>16}{'stage':>10}{'s':>8}{'peak GB':>9}{'spill GB':>9}{'rate/core':>12}{'peer/core':>11}"
              f"{'ratio':>7}{'cpu s':>8}{'cpu ratio':>10}"]
@@ -513,7 +514,8 @@ def table(report: dict) -> str:
                          f"precision {q['precision']}, recall {q['recall_j>=0.8']}")
             if len(run.get("repeats", [])) > 1:
                 each = {k: ", ".join(str(r["derived"][k]) for r in run["repeats"]) for k in run["derived"]}
-                lines.append(f"{'':>25}{'repeats':>10}  tokenize s {', '.join(str(r['pipeline']['stages']['tokenize']['seconds']) for r in run['repeats'])}; "
+                seconds = ", ".join(str(r["pipeline"]["stages"]["tokenize"]["seconds"]) for r in run["repeats"])
+                lines.append(f"{'':>25}{'repeats':>10}  tokenize s {seconds}; "
                              f"vs 2 plain processes {each['tokenize_vs_two_processes']} (CPU {each['tokenize_vs_two_processes_cpu_s']}); "
                              f"tokens/s/core {each['tokenize_tokens_per_s_per_core']}; corpus vs datasketch with start-up "
                              f"{each['corpus_vs_datasketch_per_core_with_startup']}")
@@ -607,8 +609,8 @@ def main() -> None:
                                                               capture_output=True, text=True).stdout.strip()
     pool = paragraphs()
     report = {"command": "python -m bench.scale " + " ".join(sys.argv[1:]), "commit": commit, "cpus": args.cpus,
-              "object_store_gb": args.object_store_gb, "repeats": args.repeats, "pool_paragraphs": len(pool), "num_perm": args.num_perm,
-              "threshold": args.threshold, "trees": {k: str(v) for k, v in trees.items()}, "sizes": []}
+              "object_store_gb": args.object_store_gb, "repeats": args.repeats, "pool_paragraphs": len(pool),
+              "num_perm": args.num_perm, "threshold": args.threshold, "trees": {k: str(v) for k, v in trees.items()}, "sizes": []}
     json_path = Path(args.json) if args.json else None
     for n in args.sizes:
         report["sizes"].append({**measure(pool, n, root, trees, args), "commit": commit})
