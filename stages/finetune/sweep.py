@@ -8,13 +8,18 @@ filesystem. Selection: the grid point with the best dev metric (mean over seeds)
 Faults: a trial whose process, worker or node dies is retried `finetune.max_failures` times (Tune's FailureConfig),
 from its newest checkpoint where it has one (trial.py). A re-run of a stage whose driver died restores the Tune
 experiment under the same storage path (`Tuner.restore`): finished trials keep their results, the others continue,
-and every trial keeps its one MLflow run. `--force finetune` removes the experiment, so the sweep starts afresh.
+and every trial keeps its one MLflow run; a state file the killed driver left cut short is set aside first
+(`prepare_restore`). `--force finetune` removes the experiment, so the sweep starts afresh.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
+import json
 import math
+import pickletools
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -129,6 +134,71 @@ def tensorboard_hint(storage_path: str, name: str, metric: str) -> str:
             f"(HPARAMS ranks the finished trials by ray/tune/best_{metric})")
 
 
+STATE_PATTERN = "experiment_state-*.json"
+"""Tune's experiment-state files (one per driver session); `Tuner.restore` reads the newest name."""
+
+
+def _whole_json(data: bytes) -> bool:
+    try:
+        json.loads(data)
+    except ValueError:
+        return False
+    return True
+
+
+def _whole_pickle(data: bytes) -> bool:
+    """Whether `data` is a complete pickle stream: its opcodes are walked, nothing is loaded."""
+    try:
+        for _ in pickletools.genops(data):
+            pass
+    except Exception:  # a stream cut short ends mid-opcode or without STOP: genops raises ValueError or EOFError
+        return False
+    return bool(data)
+
+
+def prepare_restore(experiment: str) -> bool:
+    """Whether the Tune experiment at `experiment` (a local path or a storage URI) can be restored, after setting
+    aside what a killed driver left cut short.
+
+    Tune copies its state to the storage path by writing each file in place (`pyarrow.fs.copy_files`), not by a
+    rename, and rewrites the experiment state every few seconds. A driver killed in that window leaves the file cut
+    short; `Tuner.restore` reads only the newest, and on a parse error it logs the error and starts every trial
+    again, the finished ones too. So: a cut-short `experiment_state-*.json` is renamed out of Tune's pattern
+    (`.cut-short`), and the restore takes the newest whole one, an earlier attempt's. With no whole state or
+    `tuner.pkl` left, the experiment directory is renamed aside and the sweep starts over. Nothing is deleted; what
+    was set aside is printed."""
+    import pyarrow.fs as pafs
+
+    if "://" in experiment:
+        fs, root = pafs.FileSystem.from_uri(experiment)
+    else:
+        fs, root = pafs.LocalFileSystem(), str(Path(experiment).absolute())
+    entries = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+    if not entries:
+        return False
+    names = {Path(e.path).name: e.path for e in entries if e.type == pafs.FileType.File}
+
+    def read(path: str) -> bytes:
+        with fs.open_input_stream(path) as f:
+            return f.readall()
+
+    whole = False
+    for name in sorted(fnmatch.filter(names, STATE_PATTERN), reverse=True):
+        if _whole_json(read(names[name])):
+            whole = True
+        else:
+            fs.move(names[name], names[name] + ".cut-short")
+            print(f"[finetune] the Tune experiment state {names[name]} is cut short (a driver killed while writing "
+                  f"it); set aside as {name}.cut-short, the restore uses an earlier one", flush=True)
+    if whole and "tuner.pkl" in names and _whole_pickle(read(names["tuner.pkl"])):
+        return True
+    aside = f"{root}.unrestorable-{time.strftime('%Y%m%d-%H%M%S')}"
+    fs.move(root, aside)
+    print(f"[finetune] the Tune experiment {experiment} has no whole state to restore from (its driver was killed "
+          f"while writing it); moved to {aside}, and the sweep starts over", flush=True)
+    return False
+
+
 def run_sweep(cfg: FinetuneConfig, setup: "TrialSetup", data: tuple[Encoded, Encoded],
               weights: dict[str, "torch.Tensor"], storage_path: str, name: str, callbacks: list | None = None):
     """Run the grid under Tune; returns the ResultGrid (every trial, its history and its best checkpoint)."""
@@ -162,7 +232,7 @@ def run_sweep(cfg: FinetuneConfig, setup: "TrialSetup", data: tuple[Encoded, Enc
         failure_config=tune.FailureConfig(max_failures=cfg.max_failures))
     trainable = tune.with_resources(trainable, resources)
     experiment = f"{storage_path.rstrip('/')}/{name}"
-    if tune.Tuner.can_restore(experiment):
+    if prepare_restore(experiment):
         print(f"[finetune] resuming the Tune experiment {experiment} of an earlier attempt: its finished trials "
               f"are kept, the others continue from their newest checkpoint", flush=True)
         tuner = tune.Tuner.restore(experiment, trainable, resume_errored=True, param_space=param_space(cfg))

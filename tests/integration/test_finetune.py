@@ -526,7 +526,10 @@ def _experiment_state(exp_dir: Path) -> dict[str, str]:
     states = sorted(exp_dir.glob("experiment_state-*.json"), key=lambda p: p.stat().st_mtime)
     if not states:
         return {}
-    trials = json.loads(states[-1].read_text())["trial_data"]
+    try:
+        trials = json.loads(states[-1].read_text())["trial_data"]
+    except ValueError:  # Tune rewrites the file in place: read mid-copy, it is read again at the next poll
+        return {}
     return {t["trial_id"]: t["status"] for t in (json.loads(state) for state, _ in trials)}
 
 
@@ -535,7 +538,8 @@ def _experiment_state(exp_dir: Path) -> dict[str, str]:
 def test_sweep_resumes_after_its_driver_is_killed(pretrained, tmp_path):
     """`python -m pipeline.run` killed with everything it started (its own PID namespace) once one trial of two has
     finished, then run again: the Tune experiment is restored, the finished trial is not run again, the other
-    continues, and each trial has exactly one MLflow run, under the stage run that finished the sweep."""
+    continues, and each trial has exactly one MLflow run, under the stage run that finished the sweep. A newer
+    experiment state cut short, as a driver killed while Tune copies it leaves it, is set aside, not read."""
     import subprocess
     import sys
 
@@ -573,6 +577,11 @@ def test_sweep_resumes_after_its_driver_is_killed(pretrained, tmp_path):
     exp_dir = exp_dirs[0]
     done = next(t for t, s in states.items() if s == "TERMINATED")
     before = _progress(exp_dir)
+    # a later attempt killed while Tune copied its state to storage leaves that file cut short, and it is the
+    # newest: the restore sets it aside and takes this attempt's
+    state = sorted(exp_dir.glob("experiment_state-*.json"))[-1].read_bytes()
+    cut = exp_dir / f"experiment_state-{time.strftime('%Y-%m-%d_%H-%M-%S')}.json"
+    cut.write_bytes(state[: len(state) // 2])
 
     second = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
@@ -594,3 +603,5 @@ def test_sweep_resumes_after_its_driver_is_killed(pretrained, tmp_path):
         assert run.info.status == "FINISHED" and run.data.tags["mlflow.parentRunId"] == stage[0].info.run_id
         assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [1, 2]
     assert "resuming the Tune experiment" in second.stdout
+    assert not cut.exists() and (exp_dir / f"{cut.name}.cut-short").read_bytes() == state[: len(state) // 2]
+    assert f"{cut.name}.cut-short" in second.stdout
