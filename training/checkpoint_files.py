@@ -6,6 +6,10 @@ leaves a directory that looks whole and fails deep inside `torch.load`. So each 
 `_files.rank<R>.json` LAST: every file it wrote with its size and xxh3-64 digest. A checkpoint verifies when
 all `world` rank lists are present and every file they name exists with that size and digest.
 
+Ray's own resume records are checked too. Ray Train's checkpoint-manager snapshot and Tune's experiment state are
+written to the storage path in place (`pyarrow.fs` output streams), not by a rename, so a process killed while
+writing one leaves it cut short; `set_aside_if_cut_short` moves such a file out of the way before a restore.
+
 Digests, not only sizes: a flipped byte keeps the size. xxh3 reads at memory speed, so checking costs one
 read of the checkpoint (what loading it costs anyway). Resume (`stages.pretrain.loop.restore`) walks the
 run's checkpoints newest first and takes the first that verifies, naming each one it skips and why.
@@ -21,6 +25,8 @@ import xxhash
 
 from core.artifacts import file_digest
 
+CUT_SHORT = ".cut-short"
+"""Suffix of a resume record set aside because it does not parse (nothing is deleted)."""
 LIST_PREFIX = "_files.rank"
 STATE_FILE = "train_state.json"
 """The loop's own record of step and data position (written by rank 0 beside DeepSpeed's files)."""
@@ -68,3 +74,29 @@ def problem(directory: Path, world: int, ranks: range | None = None) -> str | No
             if _digest(path) != want["xxh3"]:
                 return f"{rel} does not match its digest (same size, different bytes)"
     return None
+
+
+def storage_fs(uri: str):
+    """(pyarrow filesystem, path) of a storage location as Ray Train and Tune take it: a local path or a URI."""
+    import pyarrow.fs as pafs
+
+    if "://" in uri:
+        return pafs.FileSystem.from_uri(uri)
+    return pafs.LocalFileSystem(), str(Path(uri).absolute())
+
+
+def set_aside_if_cut_short(fs, path: str) -> bool:
+    """A JSON resume record that does not parse (its writer was killed mid-write) is renamed to `<path>.cut-short`
+    and True returned; a whole or absent one is left as it is."""
+    import pyarrow.fs as pafs
+
+    if fs.get_file_info(path).type != pafs.FileType.File:
+        return False
+    with fs.open_input_stream(path) as f:
+        data = f.readall()
+    try:
+        json.loads(data)
+        return False
+    except ValueError:
+        fs.move(path, path + CUT_SHORT)
+        return True

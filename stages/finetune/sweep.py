@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import json
 import math
 import pickletools
 import time
@@ -27,6 +26,7 @@ import numpy as np
 
 from core.config import FinetuneConfig
 from stages.finetune.data import Encoded
+from training.checkpoint_files import CUT_SHORT, set_aside_if_cut_short, storage_fs
 
 if TYPE_CHECKING:
     import torch
@@ -138,14 +138,6 @@ STATE_PATTERN = "experiment_state-*.json"
 """Tune's experiment-state files (one per driver session); `Tuner.restore` reads the newest name."""
 
 
-def _whole_json(data: bytes) -> bool:
-    try:
-        json.loads(data)
-    except ValueError:
-        return False
-    return True
-
-
 def _whole_pickle(data: bytes) -> bool:
     """Whether `data` is a complete pickle stream: its opcodes are walked, nothing is loaded."""
     try:
@@ -169,29 +161,22 @@ def prepare_restore(experiment: str) -> bool:
     was set aside is printed."""
     import pyarrow.fs as pafs
 
-    if "://" in experiment:
-        fs, root = pafs.FileSystem.from_uri(experiment)
-    else:
-        fs, root = pafs.LocalFileSystem(), str(Path(experiment).absolute())
+    fs, root = storage_fs(experiment)
     entries = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
     if not entries:
         return False
     names = {Path(e.path).name: e.path for e in entries if e.type == pafs.FileType.File}
-
-    def read(path: str) -> bytes:
-        with fs.open_input_stream(path) as f:
-            return f.readall()
-
     whole = False
     for name in sorted(fnmatch.filter(names, STATE_PATTERN), reverse=True):
-        if _whole_json(read(names[name])):
-            whole = True
-        else:
-            fs.move(names[name], names[name] + ".cut-short")
+        if set_aside_if_cut_short(fs, names[name]):
             print(f"[finetune] the Tune experiment state {names[name]} is cut short (a driver killed while writing "
-                  f"it); set aside as {name}.cut-short, the restore uses an earlier one", flush=True)
-    if whole and "tuner.pkl" in names and _whole_pickle(read(names["tuner.pkl"])):
-        return True
+                  f"it); set aside as {name}{CUT_SHORT}, the restore uses an earlier one", flush=True)
+        else:
+            whole = True
+    if whole and "tuner.pkl" in names:
+        with fs.open_input_stream(names["tuner.pkl"]) as f:
+            if _whole_pickle(f.readall()):
+                return True
     aside = f"{root}.unrestorable-{time.strftime('%Y%m%d-%H%M%S')}"
     fs.move(root, aside)
     print(f"[finetune] the Tune experiment {experiment} has no whole state to restore from (its driver was killed "

@@ -15,7 +15,9 @@ Ray Train checkpoint (model, optimizer, scheduler, data position). A lost worker
 group (`FailureConfig.max_failures`) and the loop resumes from `ray.train.get_checkpoint()`. A restart of
 the whole stage (new driver, same artifact id): the run is named `pretrain-<artifact id>` under the same
 storage path, and Ray Train V2 reloads that run's checkpoint snapshot, so `get_checkpoint()` again
-returns the latest one (V2's replacement for the deprecated `TorchTrainer.restore`).
+returns the latest one (V2's replacement for the deprecated `TorchTrainer.restore`). Ray Train writes that snapshot
+in place: one cut short by a driver killed mid-write is set aside (`set_aside_cut_short_snapshot`), and the loop
+lists the run's checkpoints itself.
 
 Artifact:
     model/config.json, model/model.pt   the consolidated fp32 model fine-tuning reads (`deberta.checkpoint`)
@@ -28,6 +30,7 @@ Artifact:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -39,6 +42,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
+from training import checkpoint_files
 from training.deepspeed_config import DeepSpeedConfig, build_deepspeed_config
 from core.artifacts import Artifact
 from core.config import ConfigError, PretrainConfig
@@ -118,6 +122,26 @@ def token_shards(tokenize: Artifact, split: str) -> tuple[list[str], int, int]:
 
 # ----------------------------------------------------------------------------------------------- the stage
 
+SNAPSHOT = "checkpoint_manager_snapshot.json"
+"""Ray Train V2's record of a run's registered checkpoints, in the run's storage directory."""
+
+
+def run_name(ctx: StageContext) -> str:
+    """The Ray Train run's name under the storage path: a restart of the stage (same artifact id) finds it again."""
+    return f"pretrain-{ctx.artifact_id}"
+
+
+def set_aside_cut_short_snapshot(directory: str) -> None:
+    """Ray Train rewrites its snapshot in place at every checkpoint; a driver killed mid-write leaves it cut short,
+    and Ray Train would then fail to start the run at every restart. Set aside, Ray Train registers nothing, and
+    the loop's `restore` lists the run's checkpoints itself (the newest that verifies is taken)."""
+    fs, path = checkpoint_files.storage_fs(directory)
+    if checkpoint_files.set_aside_if_cut_short(fs, f"{path}/{SNAPSHOT}"):
+        print(f"[pretrain] Ray Train's checkpoint snapshot {path}/{SNAPSHOT} is cut short (a driver killed while "
+              f"writing it); set aside as {SNAPSHOT}{checkpoint_files.CUT_SHORT}, and the run resumes from the "
+              f"newest of its checkpoints that verifies", flush=True)
+
+
 def _trainer(cfg: PretrainConfig, job: "LoopJob", ctx: StageContext):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -132,7 +156,7 @@ def _trainer(cfg: PretrainConfig, job: "LoopJob", ctx: StageContext):
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
                                      resources_per_worker={"CPU": cfg.cpus_per_worker},
                                      placement_strategy=cfg.placement_strategy),
-        run_config=RunConfig(storage_path=ctx.storage_path, name=f"pretrain-{ctx.artifact_id}",
+        run_config=RunConfig(storage_path=ctx.storage_path, name=run_name(ctx),
                              failure_config=FailureConfig(max_failures=cfg.max_failures),
                              checkpoint_config=CheckpointConfig(num_to_keep=2)),
     )
@@ -250,6 +274,8 @@ def run(cfg: PretrainConfig, *, model: DebertaConfig, inputs: dict[str, Artifact
               + "; ".join(f"{k} {v}" for k, v in notes.items()), flush=True)
         ctx.tracker.set_tags(init_tags(inputs, notes))
     job = _loop_job(cfg, model, ds_config, seq_len, train_files, val_files, tok, ctx.tracker, objective, init_file)
+    job = dataclasses.replace(job, run_dir=f"{ctx.storage_path.rstrip('/')}/{run_name(ctx)}")
+    set_aside_cut_short_snapshot(job.run_dir)
     ctx.tracker.log_dict({"deepspeed": ds_config.to_dict(), "seq_len": seq_len}, "deepspeed_config.json")
     started = time.time()
     result = _trainer(cfg, job, ctx).fit()

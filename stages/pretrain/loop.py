@@ -145,6 +145,9 @@ class LoopJob:
     """core.lineage.Tracker of the stage run (rank 0 logs through it)."""
     init_weights: str = ""
     """Continued pretraining: the safetensors file of starting weights (`stages.pretrain.initial_weights`)."""
+    run_dir: str = ""
+    """The Ray Train run's storage directory (path or URI): `restore` lists its checkpoints when Ray Train has
+    none registered (its snapshot was cut short and set aside, or never written)."""
 
     def word_start_mask(self) -> torch.Tensor:
         bits = np.unpackbits(np.frombuffer(self.word_start, dtype=np.uint8))[: self.tokenizer_len]
@@ -326,23 +329,30 @@ def saved_step(fs, directory: str) -> int:
         return -1
 
 
-def run_checkpoints(latest) -> list:
-    """The run's checkpoints to try, newest first: the one Ray Train reports as latest, then those beside it that
-    hold earlier steps (by step; for a step saved twice, the newer directory first). Directories of later steps
-    that Ray Train never registered (its driver was lost during the upload) are left alone."""
+def checkpoints_in(fs, parent: str, below: int | None = None) -> list:
+    """The finished checkpoints in a run's directory (those with a state file), newest step first (for a step
+    saved twice, the newer directory first); with `below`, only those of earlier steps."""
     import pyarrow.fs as pafs
     import ray.train
 
-    fs, parent = latest.filesystem, latest.path.rstrip("/").rsplit("/", 1)[0]
-    latest_step = saved_step(fs, latest.path)
-    dirs = [i.path for i in fs.get_file_info(pafs.FileSelector(parent))
+    dirs = [i.path for i in fs.get_file_info(pafs.FileSelector(parent, allow_not_found=True))
             if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")]
     steps = {d: saved_step(fs, d) for d in dirs}
-    older = sorted((d for d in dirs if 0 <= steps[d] < latest_step), key=lambda d: (steps[d], d), reverse=True)
-    return [latest, *(ray.train.Checkpoint(d, filesystem=fs) for d in older)]
+    kept = [d for d in dirs if steps[d] >= 0 and (below is None or steps[d] < below)]
+    return [ray.train.Checkpoint(d, filesystem=fs) for d in sorted(kept, key=lambda d: (steps[d], d), reverse=True)]
 
 
-def restore(engine, rank0: RankZero, rank: int, world: int) -> TrainState:
+def run_checkpoints(latest, run_dir: str = "") -> list:
+    """The run's checkpoints to try, newest first: the one Ray Train reports as latest, then those beside it that
+    hold earlier steps. Directories of later steps that Ray Train never registered (its driver was lost during the
+    upload) are left alone. With none registered (`latest` None), every finished one in `run_dir`."""
+    if latest is None:
+        return checkpoints_in(*checkpoint_files.storage_fs(run_dir)) if run_dir else []
+    fs, parent = latest.filesystem, latest.path.rstrip("/").rsplit("/", 1)[0]
+    return [latest, *checkpoints_in(fs, parent, below=saved_step(fs, latest.path))]
+
+
+def restore(engine, rank0: RankZero, rank: int, world: int, run_dir: str = "") -> TrainState:
     """The newest checkpoint that verifies (after a worker failure, or a restart of the stage) -> engine + position.
 
     Each rank reads its own files' list (`training.checkpoint_files`) and the ranks agree: a checkpoint a lost node
@@ -351,11 +361,11 @@ def restore(engine, rank0: RankZero, rank: int, world: int) -> TrainState:
     import ray.train
     import torch.distributed as dist
 
-    latest = ray.train.get_checkpoint()
-    if latest is None:
+    candidates = run_checkpoints(ray.train.get_checkpoint(), run_dir)
+    if not candidates:
         return TrainState()
     skipped: list[str] = []
-    for ckpt in run_checkpoints(latest):
+    for ckpt in candidates:
         with ckpt.as_directory() as d:
             reasons: list[Any] = [None] * world
             dist.all_gather_object(reasons, checkpoint_files.problem(Path(d), world, range(rank, rank + 1)))
@@ -462,7 +472,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     rank0.print(f"{objective.name} objective, {world} workers on {len(set(nodes))} node(s), ZeRO-{cfg.zero_stage}, "
                 f"{'bf16 GPU' if cfg.use_gpu else 'fp32 CPU'}, accumulation {accum}; config "
                 + json.dumps({"pretrain": asdict(cfg), "deepspeed": job.ds_config.to_dict()}, sort_keys=True))
-    state = restore(engine, rank0, rank, world)
+    state = restore(engine, rank0, rank, world, job.run_dir)
     val_batches = validation_batches(job, rank, world)
     if state.step == 0:
         rank0.log(evaluate(engine, job, masker, val_batches, rank, world), step=0)
