@@ -31,6 +31,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from training.checkpoint_files import storage_fs
 from training.engine import Engine, OptimSpec, build
 from deberta import checkpoint
 from deberta.config import DebertaConfig
@@ -318,8 +319,7 @@ def _attempt_name(storage_path: str, base: str) -> str:
     would mix the attempts' checkpoints; a retry starts over in a run of its own."""
     import pyarrow.fs as pafs
 
-    fs, root = pafs.FileSystem.from_uri(storage_path) if "://" in storage_path else (pafs.LocalFileSystem(),
-                                                                                     storage_path)
+    fs, root = storage_fs(storage_path)
     taken = {i.base_name for i in fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))}
     return next(name for n in range(len(taken) + 1)
                 if (name := base if n == 0 else f"{base}-retry{n}") not in taken)
