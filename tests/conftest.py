@@ -63,6 +63,22 @@ def news_subset(news_jsonl, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_pretrained(tmp_path_factory, news_jsonl):
+    """(pretrain Artifact, vocab Artifact): the session's one tiny real pretrained checkpoint, for every test that
+    needs *a* model (`bench.tiny_pretrained`: 2k SentencePiece pieces and a debug() MLM trained a few hundred steps
+    on the Rotten Tomatoes train reviews and 1,500 news articles; the dev reviews stay unseen). Built once, read
+    only: a test that changes it copies it first."""
+    import json
+
+    from bench.tiny_pretrained import build_tiny_pretrained
+    from stages.finetune.tasks import resolve_task
+
+    reviews = list(resolve_task("rotten-tomatoes").train.text_a)
+    news = [json.loads(line)["text"] for line in news_jsonl.read_text().splitlines()[:1500]]
+    return build_tiny_pretrained(tmp_path_factory.mktemp("tiny"), reviews + news)
+
+
+@pytest.fixture(scope="session")
 def ray_local():
     """A single-node Ray sized for this 2-core machine, shared by the session's tests."""
     import ray

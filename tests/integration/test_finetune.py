@@ -27,7 +27,6 @@ from deberta.model import DebertaForSequenceClassification
 from core.artifacts import Artifact
 from core.config import FinetuneConfig
 from pipeline.presets import GRID_1_5B, GRID_BASE, GRID_LARGE, PRESETS
-from bench.tiny_pretrained import build_tiny_pretrained
 from training.engine import OptimSpec, make_optimizer
 from stages import finetune
 from stages.finetune import data as ft_data
@@ -50,13 +49,6 @@ def learned(accuracy: float, baseline: float, n: int) -> bool:
     p by 3 of those happens by chance about once in 740 (one-sided normal tail; for the best of k trials, at most k
     times as often)."""
     return accuracy > baseline + 3 * math.sqrt(baseline * (1 - baseline) / n)
-
-
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory, news_jsonl) -> tuple[Artifact, Artifact]:
-    task = resolve_task("rotten-tomatoes")  # train reviews only: dev text stays unseen
-    news = [json.loads(line)["text"] for line in news_jsonl.read_text().splitlines()[:1500]]
-    return build_tiny_pretrained(tmp_path_factory.mktemp("tiny"), list(task.train.text_a) + news)
 
 
 def _context(tmp: Path, tracker, art_id: str) -> StageContext:
@@ -127,7 +119,7 @@ def _tensorboard(trial_dir: Path) -> tuple[dict, set[str], dict[str, float]]:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_sweep_beats_baseline_and_registers_champion(pretrained, ray_local, mlflow_server, tmp_path, monkeypatch,
+def test_sweep_beats_baseline_and_registers_champion(tiny_pretrained, ray_local, mlflow_server, tmp_path, monkeypatch,
                                                     capsys):
     from mlflow.tracking import MlflowClient
 
@@ -140,7 +132,7 @@ def test_sweep_beats_baseline_and_registers_champion(pretrained, ray_local, mlfl
     cfg = FinetuneConfig(task="rotten-tomatoes", dropout=(0.0, 0.1), warmup_steps=(10,), lr=(1e-3, 2e-3),
                          batch_size=(32,), epochs=2, max_seq_len=SEQ, max_train_examples=2_000,
                          max_concurrent_trials=2, cpus_per_trial=1)
-    pre, vocab = pretrained
+    pre, vocab = tiny_pretrained
     task = resolve_task(cfg.task)
     model_cfg = checkpoint.load_config(pre.path / "model")
     out = tmp_path / "out"
@@ -267,7 +259,7 @@ def _plain_transformers_directory(pre: Artifact, vocab: Artifact, out: Path) -> 
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_finetunes_a_plain_transformers_directory(pretrained, tmp_path):
+def test_finetunes_a_plain_transformers_directory(tiny_pretrained, tmp_path):
     """`python -m pipeline.run --pretrained DIR` on an HF DeBERTa-v2 directory written by plain `transformers`
     (holding the tiny pretrained MLM): the plan is the finetune stage alone on the directory's architecture, no
     pretrain or vocab artifact; the fine-tuned backbone is the directory's weights, moved a little by training (a
@@ -277,7 +269,7 @@ def test_finetunes_a_plain_transformers_directory(pretrained, tmp_path):
     from mlflow.tracking import MlflowClient
     from safetensors.torch import load_file
 
-    pre, vocab = pretrained
+    pre, vocab = tiny_pretrained
     hf_dir = _plain_transformers_directory(pre, vocab, tmp_path / "someone-elses-deberta")
     wd = tmp_path / "wd"
     point = {"dropout": "0.0", "warmup_steps": "1", "lr": "1e-4", "batch_size": "16", "epochs": "1",
@@ -311,8 +303,8 @@ def test_finetunes_a_plain_transformers_directory(pretrained, tmp_path):
 # ----------------------------------------------------------------------------------------------- SiFT
 
 @pytest.mark.parametrize("task_name", ["rotten-tomatoes", "lee-sts"])
-def test_sift_changes_the_loss_and_still_trains(pretrained, task_name):
-    pre, _ = pretrained
+def test_sift_changes_the_loss_and_still_trains(tiny_pretrained, task_name):
+    pre, _ = tiny_pretrained
     task = resolve_task(task_name)
     tok = Tokenizer.load(pre.path / "tokenizer")
     cfg = FinetuneConfig(max_seq_len=SEQ, max_train_examples=512, sift=True)
@@ -349,8 +341,8 @@ def test_sift_changes_the_loss_and_still_trains(pretrained, task_name):
 
 # ----------------------------------------------------------------------------------------------- bad input
 
-def test_missing_or_broken_pretrained_artifact_is_one_clear_message(pretrained, tracker, tmp_path):
-    pre, vocab = pretrained
+def test_missing_or_broken_pretrained_artifact_is_one_clear_message(tiny_pretrained, tracker, tmp_path):
+    pre, vocab = tiny_pretrained
     task = resolve_task("rotten-tomatoes")
     cfg = FinetuneConfig(max_seq_len=SEQ)
     model_cfg = checkpoint.load_config(pre.path / "model")
@@ -369,11 +361,11 @@ def test_missing_or_broken_pretrained_artifact_is_one_clear_message(pretrained, 
 
 # ----------------------------------------------------------------------------------------------- DeepSpeed trials
 
-def _sweep(cfg: FinetuneConfig, pretrained, tmp_path: Path, tracker, name: str):
+def _sweep(cfg: FinetuneConfig, tiny_pretrained, tmp_path: Path, tracker, name: str):
     """finetune.run under a fresh output dir; returns (StageResult, out dir, results table)."""
     import pandas as pd
 
-    pre, vocab = pretrained
+    pre, vocab = tiny_pretrained
     out = tmp_path / name
     out.mkdir()
     result = finetune.run(cfg, model=checkpoint.load_config(pre.path / "model"),
@@ -384,13 +376,13 @@ def _sweep(cfg: FinetuneConfig, pretrained, tmp_path: Path, tracker, name: str):
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_deepspeed_trial_of_one_worker_repeats_the_torch_trial(pretrained, ray_local, tracker, tmp_path):
+def test_deepspeed_trial_of_one_worker_repeats_the_torch_trial(tiny_pretrained, ray_local, tracker, tmp_path):
     """Same grid point, same seed: one DeepSpeed worker (ZeRO-0, fp32) trains exactly what one torch process does."""
     point = dict(task="rotten-tomatoes", dropout=(0.1,), warmup_steps=(10,), lr=(1e-3,), batch_size=(32,), epochs=2,
                  max_seq_len=SEQ, max_train_examples=2_000, max_concurrent_trials=1)
-    result, _, plain = _sweep(FinetuneConfig(**point), pretrained, tmp_path, tracker, "plain")
+    result, _, plain = _sweep(FinetuneConfig(**point), tiny_pretrained, tmp_path, tracker, "plain")
     _, _, ds = _sweep(FinetuneConfig(**point, trainer="deepspeed", workers_per_trial=1, zero_stage=0),
-                      pretrained, tmp_path, tracker, "ds")
+                      tiny_pretrained, tmp_path, tracker, "ds")
     print(plain.iloc[0].to_dict(), ds.iloc[0].to_dict())
     n_dev = len(resolve_task(point["task"]).dev)
     assert learned(plain["dev_accuracy"][0], result.metrics["majority_baseline"], n_dev), plain.iloc[0].to_dict()
@@ -401,7 +393,7 @@ def test_deepspeed_trial_of_one_worker_repeats_the_torch_trial(pretrained, ray_l
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_deepspeed_sweep_zero3_two_workers_with_sift(pretrained, ray_local, mlflow_server, tmp_path, monkeypatch):
+def test_deepspeed_sweep_zero3_two_workers_with_sift(tiny_pretrained, ray_local, mlflow_server, tmp_path, monkeypatch):
     """trainer=deepspeed as the 1.5B preset runs it (ZeRO, SiFT), at 2 workers: each trial a Ray Train run; the
     weights gathered from the ZeRO-3 shards are the model that scored the reported dev accuracy."""
     from mlflow.tracking import MlflowClient
@@ -416,7 +408,7 @@ def test_deepspeed_sweep_zero3_two_workers_with_sift(pretrained, ray_local, mlfl
     cfg = FinetuneConfig(task="rotten-tomatoes", dropout=(0.0,), warmup_steps=(10,), lr=(2e-3,),
                          batch_size=(32,), epochs=2, max_seq_len=SEQ, max_train_examples=2_000,
                          max_concurrent_trials=1, trainer="deepspeed", workers_per_trial=2, zero_stage=3, sift=True)
-    result, out, table = _sweep(cfg, pretrained, tmp_path, tracker, "ds-sweep")
+    result, out, table = _sweep(cfg, tiny_pretrained, tmp_path, tracker, "ds-sweep")
     print(f"deepspeed sweep: {result.metrics}, {result.summary}")
 
     assert len(table) == 1 and (table["epochs"] == 2).all()
@@ -493,7 +485,7 @@ def _kill_a_trial_after_its_first_epoch(exp_dir: Path, killed: list, deadline: f
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_sweep_survives_a_killed_trial_process(pretrained, ray_local, tracker, tmp_path):
+def test_sweep_survives_a_killed_trial_process(tiny_pretrained, ray_local, tracker, tmp_path):
     """A trial's process SIGKILLed after its first epoch: Tune retries it (finetune.max_failures) from that epoch's
     checkpoint, and the sweep finishes with every grid point, each trial one MLflow run with each epoch once."""
     import threading
@@ -504,7 +496,7 @@ def test_sweep_survives_a_killed_trial_process(pretrained, ray_local, tracker, t
                               args=(exp_dir, killed, time.time() + 300), daemon=True)
     killer.start()
     cfg = FinetuneConfig(**FAULT_GRID, max_concurrent_trials=2, max_failures=1)
-    result, out, table = _sweep(cfg, pretrained, tmp_path, tracker, "lost-trial")
+    result, out, table = _sweep(cfg, tiny_pretrained, tmp_path, tracker, "lost-trial")
     killer.join()
     assert killed, "no trial was killed"
     victim, pid = killed[0]
@@ -535,7 +527,7 @@ def _experiment_state(exp_dir: Path) -> dict[str, str]:
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_sweep_resumes_after_its_driver_is_killed(pretrained, tmp_path):
+def test_sweep_resumes_after_its_driver_is_killed(tiny_pretrained, tmp_path):
     """`python -m pipeline.run` killed with everything it started (its own PID namespace) once one trial of two has
     finished, then run again: the Tune experiment is restored, the finished trial is not run again, the other
     continues, and each trial has exactly one MLflow run, under the stage run that finished the sweep. A newer
@@ -549,7 +541,7 @@ def test_sweep_resumes_after_its_driver_is_killed(pretrained, tmp_path):
     from deberta import hf
     from deberta.model import DebertaForMaskedLM
 
-    pre, vocab = pretrained
+    pre, vocab = tiny_pretrained
     mlm = DebertaForMaskedLM(checkpoint.load_config(pre.path / "model"))
     checkpoint.load_into(mlm, pre.path / "model")
     hf_dir = hf.save_pretrained(mlm, tmp_path / "tiny-hf", vocab_dir=vocab.path)
