@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import REPO, RESULTS, emit
+from bench.common import REPO, RESULTS, command_line, emit, load_average
 from core.artifacts import ArtifactStore, verify
 
 STAGES = ("corpus", "vocab", "tokenize")
@@ -63,7 +63,9 @@ def main() -> None:
             })
     for r in rows:
         r["digest_mb_per_s"] = r["bytes"] / 1e6 / (r["digests_ms"] / 1e3)
-    report = {"bench": "artifact_check", "preset": "debug", "repeat": args.repeat, "artifacts": rows}
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    report = {"bench": "artifact_check", "command": command_line(), "commit": head.stdout.strip() or None,
+              "load_average": load_average(), "preset": "debug", "repeat": args.repeat, "artifacts": rows}
     table = "\n".join(
         [f"{'stage':10}{'files':>6}{'MB':>8}{'stage s':>9}{'sizes ms':>10}{'digests ms':>12}{'MB/s':>8}"]
         + [f"{r['stage']:10}{r['files']:>6}{r['bytes'] / 1e6:>8.2f}{r['stage_s'] or float('nan'):>9.0f}"

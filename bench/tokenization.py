@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bench.common import RESULTS, comma_ints, emit
+from bench.common import REPO, RESULTS, comma_ints, command_line, emit
 from core.artifacts import Artifact
 from core.config import TokenizeConfig, VocabConfig
 from core.datasets import materialize_corpus
@@ -190,7 +191,9 @@ def main() -> None:
                     "actor_cpu_seconds": t["cpu"], "cpu_efficiency_vs_single": base_cpu / t["cpu"],
                     "cpu_efficiency_vs_single_lists": list_cpu / t["cpu"]}
 
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     report = {
+        "command": command_line(), "commit": head.stdout.strip() or None,
         "documents": len(texts), "text_mb": sum(len(t.encode()) for t in texts) / 1e6, "tokens": tokens,
         "vocab_size": args.vocab_size, "max_seq_len": args.max_seq_len, "cpus": os.cpu_count(),
         "load_average_1m_at_end": os.getloadavg()[0], "repeats": args.repeats,
