@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -92,31 +93,49 @@ def test_another_hosts_lock_is_kept_unless_broken_explicitly(tmp_path):
     assert lock.took_over == foreign
 
 
+STOP_AT_EVERY_FILE_CALL = """
+import os, signal, sys
+from pathlib import Path
+from core import locks
+CALLS = {"open", "write", "writelines", "link", "rename", "replace", "unlink", "fsync", "close", "flush", "truncate"}
+def stop(frame, event, arg):  # after each file-system call returns, wait for the test to look
+    if event == "c_return" and getattr(arg, "__name__", "") in CALLS:
+        os.kill(os.getpid(), signal.SIGSTOP)
+sys.setprofile(stop)
+locks.acquire(Path(sys.argv[1])).release()
+sys.setprofile(None)
+"""
+
+
 def test_a_lock_file_is_never_seen_half_written(tmp_path):
-    """A run that finds the lock reads its holder: a reader polling the name while another thread takes and
-    releases the lock over and over never sees the file without one."""
-    path, done, half = tmp_path / "x.lock", threading.Event(), []
-
-    def poll():
-        while not done.is_set():
-            try:
-                text = path.read_text()
-            except FileNotFoundError:
-                continue
-            try:
-                Holder(**json.loads(text))
-            except (ValueError, TypeError):
-                half.append(text)
-
-    reader = threading.Thread(target=poll)
-    reader.start()
+    """A run that finds the lock reads its holder: a process taking and releasing the lock is stopped after every
+    file-system call it makes (open, write, link, unlink, ...), and at each stop the lock's name is either absent
+    or holds a whole holder. Every interleaving a reader could hit is looked at, none is left to chance."""
+    path, half, stops, present = tmp_path / "x.lock", [], 0, 0
+    proc = subprocess.Popen([sys.executable, "-c", STOP_AT_EVERY_FILE_CALL, str(path)], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
-        for _ in range(1000):
-            locks.acquire(path).release()
+        while True:
+            _, status = os.waitpid(proc.pid, os.WUNTRACED)
+            if not os.WIFSTOPPED(status):
+                break
+            stops += 1
+            if path.exists():
+                present += 1
+                text = path.read_text()
+                try:
+                    assert Holder(**json.loads(text)).pid == proc.pid
+                except (ValueError, TypeError, AssertionError):
+                    half.append(text)
+            os.kill(proc.pid, signal.SIGCONT)
     finally:
-        done.set()
-        reader.join()
-    assert not half, f"{len(half)} reads found the lock file without its holder, e.g. {half[0]!r}"
+        proc.returncode = os.waitstatus_to_exitcode(status) if not os.WIFSTOPPED(status) else None
+        if proc.returncode is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and not path.exists()
+    assert present >= 1 and stops > present, (stops, present)  # seen while held, and absent before and after
+    assert not half, f"{len(half)} of {stops} stops found the lock file without its holder, e.g. {half[0]!r}"
 
 
 def test_an_unreadable_lock_is_left_alone_then_taken_over_as_debris(tmp_path):
