@@ -14,7 +14,7 @@ A scope opened before a page's first `## ` heading holds for the whole page: a h
 
 A line with figures ends with its keys, one per figure in the order they are printed:
 
-    | mlm | 800 | 667.9 | 0.6979 ± 0.0072 | <!-- = runs.mlm. steps wall_s finetune.mean finetune.std -->
+    | mlm | 800 | 0.6979 ± 0.0072 | <!-- = runs.mlm. pretrain.steps finetune.dev_mean finetune.dev_std -->
 
 A key is a dotted path into the scope's first file (`[...]` quotes a segment: `quality[a*x+b].bias_mean`); a
 token ending in `.` is a prefix for the keys after it on the line (`.` alone clears it); `albert_reduced:` switches
@@ -182,9 +182,11 @@ def page_lines(page: Path):
         in_span = False if not line.strip() else in_span ^ (line.count("`") % 2 == 1)
 
 
-def keys_of(line: str) -> list[str] | None:
-    """The key tokens of a line's `<!-- = ... -->` marker, None when it has none."""
-    found = KEYS.findall(CODE.sub(" ", line))
+def keys_of(line: str, in_span: bool = False) -> list[str] | None:
+    """The key tokens of a line's `<!-- = ... -->` marker, None when it has none; a marker inside a code span
+    (which Markdown would print) is none."""
+    text = ("`" if in_span else "") + line
+    found = KEYS.findall(CODE.sub(" ", text + "`" if text.count("`") % 2 else text))
     return None if not found else [t for body in found for t in TOKEN.findall(body)]
 
 
@@ -227,31 +229,39 @@ def key_values(key: tuple[str, str, str], results: Results) -> list[float]:
     return values
 
 
-def check_page(page: Path, root: Path = REPO) -> list[Problem]:
-    """The figures of one page without a key, or whose key's value differs."""
-    name = page.relative_to(root).as_posix()
-    problems: list[Problem] = []
-    results = Results(root)
+def scoped_lines(page: Path):
+    """(line number, line, in_span, scope, opened) for every line of a page that is not a heading or code block:
+    the scope the line is in (None outside every scope) and whether the line opens it."""
     scope = default = None
     sections = False
     for n, line, in_span in page_lines(page):
         if line is None:
             scope, sections = default, sections or in_span
             continue
+        opened = False
         for m in SCOPE.finditer(CODE.sub(" ", line)):
-            scope = _parse_scope(m.group(1), m.group(2), n)
+            scope, opened = _parse_scope(m.group(1), m.group(2), n), True
             if not sections:
                 default = scope
-            for f in scope.files:
-                if not (root / f).is_file():
-                    problems.append(Problem(name, n, f, "cited result file does not exist"))
+        yield n, line, in_span, scope, opened
+
+
+def check_page(page: Path, root: Path = REPO) -> list[Problem]:
+    """The figures of one page without a key, or whose key's value differs."""
+    name = page.relative_to(root).as_posix()
+    problems: list[Problem] = []
+    results = Results(root)
+    for n, line, in_span, scope, opened in scoped_lines(page):
+        if opened:
+            problems += [Problem(name, n, f, "cited result file does not exist")
+                         for f in scope.files if not (root / f).is_file()]
         problems += _check_line(name, n, line, in_span, scope, results)
     return problems
 
 
 def _check_line(name: str, n: int, line: str, in_span: bool, scope: Scope | None,
                 results: Results) -> list[Problem]:
-    figs, tokens = figures(line, in_span), keys_of(line)
+    figs, tokens = figures(line, in_span), keys_of(line, in_span)
     if scope is None:
         return [Problem(name, n, f, "outside every scope (no result file cited, not marked not measured)")
                 for f in figs] + ([Problem(name, n, "<!-- = -->", "keys outside a scope")] if tokens else [])
@@ -301,16 +311,11 @@ def count_keyed(root: Path = REPO) -> int:
     """How many figures of the pages are checked against a named key."""
     total = 0
     for page in pages(root):
-        scope = None
-        for _, line, _ in page_lines(page):
-            if line is None:
-                scope = None
-                continue
-            for m in SCOPE.finditer(CODE.sub(" ", line)):
-                scope = _parse_scope(m.group(1), m.group(2), 0)
-            tokens = keys_of(line)
+        results = Results(root)
+        for _, line, in_span, scope, _ in scoped_lines(page):
+            tokens = keys_of(line, in_span)
             if scope and scope.files and tokens:
-                total += sum(1 for t in expand(tokens, scope, Results(root)) if t is not None)
+                total += sum(1 for t in expand(tokens, scope, results) if t is not None)
     return total
 
 
@@ -331,14 +336,9 @@ def leaves(data, prefix: str = ""):
 
 def suggest(page: Path, root: Path = REPO) -> None:
     """Print, for each figure of `page` without a key, the keys of its scope's files that hold it."""
-    results, scope = Results(root), None
-    for n, line, in_span in page_lines(page):
-        if line is None:
-            scope = None
-            continue
-        for m in SCOPE.finditer(CODE.sub(" ", line)):
-            scope = _parse_scope(m.group(1), m.group(2), n)
-        if scope is None or not scope.files or keys_of(line) is not None:
+    results = Results(root)
+    for n, line, in_span, scope, _ in scoped_lines(page):
+        if scope is None or not scope.files or keys_of(line, in_span) is not None:
             continue
         for fig in (f for f in figures(line, in_span) if f not in scope.excluded):
             found = [f"{results.alias(f)}:{k}" for f in scope.files if f.endswith(".json")

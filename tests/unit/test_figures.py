@@ -127,6 +127,14 @@ def test_a_configuration_scope_and_code_spans_are_not_figures(tmp_path):
     assert _problems(tmp_path, text) == []
 
 
+def test_a_marker_inside_a_code_span_is_no_key(tmp_path):
+    """Markdown prints a comment inside a code span, so the check does not read it as keys."""
+    text = "# C\n\n<!-- figures: bench/results/x.json -->\nRan 99 steps: `python -m x <!-- = command -->\n--steps 99`.\n"
+    assert _problems(tmp_path, text) == [(4, "99")]
+    moved = text.replace(" `python -m x <!-- = command -->", " <!-- = command -->\n`python -m x")
+    assert _problems(tmp_path / "b", moved) == []
+
+
 def _copy_site(tmp_path: Path) -> None:
     for rel in ("README.md", "bench/README.md", "docs", "bench/results"):
         src, dst = REPO / rel, tmp_path / rel
@@ -169,15 +177,9 @@ def test_every_keyed_figure_fails_when_changed_by_one_digit():
     """Every figure of every page, each edited alone: the check of its line fails."""
     checked = 0
     for page in check_figures.pages():
-        results, scope, default, sections = check_figures.Results(REPO), None, None, False
-        for n, line, in_span in check_figures.page_lines(page):
-            if line is None:
-                scope, sections = default, sections or in_span
-                continue
-            for m in check_figures.SCOPE.finditer(line):
-                scope = check_figures._parse_scope(m.group(1), m.group(2), n)
-                default = default if sections else scope
-            tokens = check_figures.keys_of(line)
+        results = check_figures.Results(REPO)
+        for n, line, in_span, scope, _ in check_figures.scoped_lines(page):
+            tokens = check_figures.keys_of(line, in_span)
             if not (scope and scope.files and tokens):
                 continue
             keys = check_figures.expand(tokens, scope, results)
