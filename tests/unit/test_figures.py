@@ -129,7 +129,7 @@ def test_a_configuration_scope_and_code_spans_are_not_figures(tmp_path):
 
 def test_a_marker_inside_a_code_span_is_no_key(tmp_path):
     """Markdown prints a comment inside a code span, so the check does not read it as keys."""
-    text = "# C\n\n<!-- figures: bench/results/x.json -->\nRan 99 steps: `python -m x <!-- = command -->\n--steps 99`.\n"
+    text = "# C\n\n<!-- figures: bench/results/x.json -->\nRan 99 steps: `python -m x <!-- = command -->\n--steps 99`\n"
     assert _problems(tmp_path, text) == [(4, "99")]
     moved = text.replace(" `python -m x <!-- = command -->", " <!-- = command -->\n`python -m x")
     assert _problems(tmp_path / "b", moved) == []
