@@ -19,7 +19,8 @@ A line with figures ends with its keys, one per figure in the order they are pri
 A key is a dotted path into the scope's first file (`[...]` quotes a segment: `quality[a*x+b].bias_mean`); a
 token ending in `.` is a prefix for the keys after it on the line (`.` alone clears it); `albert_reduced:` switches
 to another cited file (named by its path under bench/results/, without `.json`); `a/b` is the ratio of two keys;
-`-` skips a figure (no measurement); in a text result file, `L12` is any number on its line 12. A figure equals its
+`-` skips a figure (no measurement); in a text result file, `L12.3` is the third number on its line 12 (`L12`:
+any number on it). A figure equals its
 key's value rounded to the decimals printed (|value - figure| <= half a unit of the last printed digit; thousands
 separators ignored); `15.4%` is a JSON value of 0.154; a ratio printed `3.26x` is a key (or `a/b`) whose value
 rounds to 3.26. A key that holds a string (a `command`) matches the numbers inside it.
@@ -102,16 +103,19 @@ def numbers_in(text: str) -> list[float]:
 
 
 def resolve(data, path: str) -> list[float]:
-    """The values a key names: a JSON number, the numbers inside a JSON string, or (text file, `L12`) the
-    numbers on a line. Raises KeyError naming the first segment that does not exist."""
+    """The values a key names: a JSON number, the numbers inside a JSON string, or (text file) the numbers on a
+    line (`L12`) or the n-th of them (`L12.3`). Raises KeyError naming the first segment that does not exist."""
     if isinstance(data, str):
-        if not re.fullmatch(r"L\d+", path):
-            raise KeyError(f"{path} (a text file's key is L<line>)")
+        m = re.fullmatch(r"L(\d+)(?:\.(\d+))?", path)
         lines = data.splitlines()
-        n = int(path[1:])
-        if not 1 <= n <= len(lines):
-            raise KeyError(path)
-        return numbers_in(lines[n - 1])
+        if not m or not 1 <= int(m[1]) <= len(lines):
+            raise KeyError(f"{path} (a text file's key is L<line> or L<line>.<n>, its n-th number)")
+        numbers = numbers_in(lines[int(m[1]) - 1])
+        if m[2] is None:
+            return numbers
+        if not 1 <= int(m[2]) <= len(numbers):
+            raise KeyError(f"{path} (line {m[1]} holds {len(numbers)} numbers)")
+        return [numbers[int(m[2]) - 1]]
     node = data
     for m in SEGMENT.finditer(path):
         seg = m.group(1) if m.group(1) is not None else m.group(2)

@@ -67,7 +67,7 @@ Pages open with the numbers that are no measurement: 2 workers.
 | rtd es | 6.4776 | 574.2 | <!-- = runs.[rtd es]. loss wall_s -->
 
 Corpus 3.26x the peer, 15.36% in the gather (4 of 5), load 11.11. <!-- = corpus_s/peer_s share - - load_average.0 -->
-A text result: 0.3004 s. <!-- = h200/y.txt: L2 -->
+A text result: 0.3004 s against 0.3808 s. <!-- = h200/y.txt: L2.1 L2.2 -->
 """
 
 
@@ -97,6 +97,11 @@ def test_a_page_that_keys_its_figures_passes(tmp_path):
 def test_a_figure_or_ratio_changed_by_one_digit_fails(tmp_path, old, new, figure):
     assert PAGE.count(old) == 1
     assert [f for _, f in _problems(tmp_path, PAGE.replace(old, new))] == [figure]
+
+
+def test_two_figures_swapped_fail(tmp_path):
+    swapped = PAGE.replace("0.3004 s against 0.3808", "0.3808 s against 0.3004")
+    assert [f for _, f in _problems(tmp_path, swapped)] == ["0.3808", "0.3004"]
 
 
 def test_a_figure_keyed_to_another_quantity_fails(tmp_path):
