@@ -11,7 +11,7 @@ written to the storage path in place (`pyarrow.fs` output streams), not by a ren
 writing one leaves it cut short; `set_aside_if_cut_short` moves such a file out of the way before a restore.
 
 Digests, not only sizes: a flipped byte keeps the size. xxh3 reads at memory speed, so checking costs one
-read of the checkpoint (what loading it costs anyway). Resume (`stages.pretrain.loop.restore`) walks the
+read of the checkpoint (what loading it costs anyway). Resume (`stages.pretrain.checkpoints.restore`) walks the
 run's checkpoints newest first and takes the first that verifies, naming each one it skips and why.
 """
 

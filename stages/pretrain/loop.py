@@ -19,13 +19,9 @@ Side effects (prints, MLflow) happen on world rank 0 only, through `RankZero`.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -36,10 +32,10 @@ from core.config import PretrainConfig
 from core.metric_buffer import MetricBuffer
 from deberta.config import DebertaConfig
 from deberta.masking import SpanMasker
+from stages.pretrain.checkpoints import TrainState, restore, save_and_report
+from stages.pretrain.continued import SafetensorsFile
 from stages.pretrain.objective import Objective, Sums
 from stages.segment_pairs import SOP_COLUMN
-from training import checkpoint_files
-from training.checkpoint_files import STATE_FILE
 from training.deepspeed_config import DeepSpeedConfig
 from training.engine import Engine, OptimSpec, build
 
@@ -144,7 +140,7 @@ class LoopJob:
     tracker: Any
     """core.lineage.Tracker of the stage run (rank 0 logs through it)."""
     init_weights: str = ""
-    """Continued pretraining: the safetensors file of starting weights (`stages.pretrain.initial_weights`)."""
+    """Continued pretraining: the safetensors file of starting weights (`stages.pretrain.continued.initial_weights`)."""
     run_dir: str = ""
     """The Ray Train run's storage directory (path or URI): `restore` lists its checkpoints when Ray Train has
     none registered (its snapshot was cut short and set aside, or never written)."""
@@ -155,20 +151,6 @@ class LoopJob:
 
     def masker(self):
         return self.objective.masker(self.tokenizer_len, self.mask_id, self.special_ids, self.word_start_mask())
-
-
-@dataclass
-class TrainState:
-    """Step and data position, saved with every checkpoint."""
-
-    step: int = 0
-    epoch: int = 0
-    batch_in_epoch: int = 0
-    tag: str = ""
-
-    @classmethod
-    def read(cls, directory: Path) -> "TrainState":
-        return cls(**json.loads((Path(directory) / STATE_FILE).read_text()))
 
 
 class RankZero:
@@ -227,31 +209,6 @@ def build_engine(job: LoopJob, use_gpu: bool) -> Engine:
                  seed=job.cfg.seed, init_module=init_module, weights=weights)
 
 
-class SafetensorsFile(Mapping):
-    """The tensors of a safetensors file, each read when asked for: a rank building under ZeRO-3 holds one module's
-    starting weights at a time, not the model's (safetensors' `safe_open`)."""
-
-    def __init__(self, path: str):
-        from safetensors import safe_open
-
-        self._file = safe_open(path, framework="pt", device="cpu")
-        self._keys = tuple(self._file.keys())
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        if key not in self._keys:
-            raise KeyError(key)
-        return self._file.get_tensor(key)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys
-
-    def __iter__(self):
-        return iter(self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-
 def micro_batches(job: LoopJob, rank: int, world: int, state: TrainState) -> Iterator[tuple[int, int, dict]]:
     """Endless (epoch, index in epoch, batch) of this worker, starting at the saved data position."""
     cfg = job.cfg
@@ -302,89 +259,6 @@ def evaluate(engine, job: LoopJob, masker, batches: list[dict[str, torch.Tensor]
     """Validation numbers of the objective on every worker's batches (`validation_sums`, summed over workers)."""
     sums: Sums = validation_sums(engine, job.objective, masker, batches, rank, world, extra=extra)
     return job.objective.eval_metrics(all_reduce_sum(sums, engine.device))
-
-
-def save_and_report(engine, state: TrainState, metrics: dict[str, float], rank: int) -> None:
-    """DeepSpeed checkpoint on every rank into a rank-local directory, then one collective Ray Train report."""
-    import ray.train
-
-    root = Path(tempfile.mkdtemp(prefix=f"ds-ckpt-rank{rank}-"))
-    try:
-        state.tag = f"step{state.step}"  # never "latest": that name is DeepSpeed's pointer file
-        engine.ds.save_checkpoint(str(root), tag=state.tag, client_state={"train_state": asdict(state)})
-        if rank == 0:
-            (root / STATE_FILE).write_text(json.dumps(asdict(state)))
-        checkpoint_files.write_file_list(root, rank)  # last: a checkpoint without it never finished
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(str(root)))
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def saved_step(fs, directory: str) -> int:
-    """The step a checkpoint directory holds, from its state file (-1 when it has none: never finished)."""
-    try:
-        with fs.open_input_stream(f"{directory}/{STATE_FILE}") as f:
-            return int(json.loads(f.read())["step"])
-    except (OSError, ValueError, KeyError):
-        return -1
-
-
-def checkpoints_in(fs, parent: str, below: int | None = None) -> list:
-    """The finished checkpoints in a run's directory (those with a state file), newest step first (for a step
-    saved twice, the newer directory first); with `below`, only those of earlier steps."""
-    import pyarrow.fs as pafs
-    import ray.train
-
-    dirs = [i.path for i in fs.get_file_info(pafs.FileSelector(parent, allow_not_found=True))
-            if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")]
-    steps = {d: saved_step(fs, d) for d in dirs}
-    kept = [d for d in dirs if steps[d] >= 0 and (below is None or steps[d] < below)]
-    return [ray.train.Checkpoint(d, filesystem=fs) for d in sorted(kept, key=lambda d: (steps[d], d), reverse=True)]
-
-
-def run_checkpoints(latest, run_dir: str = "") -> list:
-    """The run's checkpoints to try, newest first: the one Ray Train reports as latest, then those beside it that
-    hold earlier steps. Directories of later steps that Ray Train never registered (its driver was lost during the
-    upload) are left alone. With none registered (`latest` None), every finished one in `run_dir`."""
-    if latest is None:
-        return checkpoints_in(*checkpoint_files.storage_fs(run_dir)) if run_dir else []
-    fs, parent = latest.filesystem, latest.path.rstrip("/").rsplit("/", 1)[0]
-    return [latest, *checkpoints_in(fs, parent, below=saved_step(fs, latest.path))]
-
-
-def restore(engine, rank0: RankZero, rank: int, world: int, run_dir: str = "") -> TrainState:
-    """The newest checkpoint that verifies (after a worker failure, or a restart of the stage) -> engine + position.
-
-    Each rank reads its own files' list (`training.checkpoint_files`) and the ranks agree: a checkpoint a lost node
-    left half-written, or a shard a bad disk truncated, is skipped - said, and logged as `checkpoints_skipped` -
-    for the one before it."""
-    import ray.train
-    import torch.distributed as dist
-
-    candidates = run_checkpoints(ray.train.get_checkpoint(), run_dir)
-    if not candidates:
-        return TrainState()
-    skipped: list[str] = []
-    for ckpt in candidates:
-        with ckpt.as_directory() as d:
-            reasons: list[Any] = [None] * world
-            dist.all_gather_object(reasons, checkpoint_files.problem(Path(d), world, range(rank, rank + 1)))
-            found = [r for r in reasons if r is not None]
-            if found:
-                skipped.append(f"{ckpt.path}: {found[0]}")
-                rank0.print(f"skipping checkpoint {ckpt.path}: {found[0]}")
-                continue
-            state = TrainState.read(Path(d))
-            path, _ = engine.ds.load_checkpoint(d, tag=state.tag, load_optimizer_states=True,
-                                                load_lr_scheduler_states=True)
-            if path is None:
-                raise RuntimeError(f"DeepSpeed could not load checkpoint {state.tag} from {d}")
-        rank0.print(f"restored {state.tag} from {ckpt.path}: resuming at step {state.step + 1}, "
-                    f"epoch {state.epoch}, micro-batch {state.batch_in_epoch}")
-        rank0.log({"restored_from_step": state.step, "checkpoints_skipped": len(skipped)}, step=state.step)
-        return state
-    raise RuntimeError("no checkpoint of this run verifies (" + "; ".join(skipped) + "); start over with "
-                       "--force pretrain")
 
 
 def worker_nodes(world: int) -> list[str]:

@@ -1,11 +1,12 @@
 """What a pretraining objective supplies; everything else (data order, engine, checkpoints, recovery) is shared.
 
-An `Objective` is built from the stage's `PretrainConfig` (`stages.pretrain.objective_for`, the one place that reads
-`pretrain.objective`) and answers every question on which MLM and RTD differ: its model and per-module init, its
-span masker, the numbers it logs per step and per validation pass (sums as named dicts, added over batches and
-workers), what it writes into the artifact and the registry, its training FLOPs and its line of the dry-run plan.
-The implementations are `mlm.py` (DeBERTa §3.2), `rtd.py` (DeBERTaV3 §2-3) and `sop.py`, ALBERT's sentence-order
-prediction (ALBERT §3.1) as an option on top of either. A new objective is one more file like `mlm.py`.
+An `Objective` is built from the stage's `PretrainConfig` (`stages.pretrain.objectives.objective_for`, the one
+place that reads `pretrain.objective`) and answers every question on which MLM and RTD differ: its model and
+per-module init, its span masker, the numbers it logs per step and per validation pass (sums as named dicts, added
+over batches and workers), what it writes into the artifact and the registry, its training FLOPs and its line of the
+dry-run plan. The implementations are `mlm.py` (DeBERTa §3.2), `rtd.py` (DeBERTaV3 §2-3) and `sop.py`, ALBERT's
+sentence-order prediction (ALBERT §3.1) as an option on top of either. A new objective is one more file like
+`mlm.py`, listed in `objectives.py`.
 
 Top-level imports stay torch-free (the driver module imports this at pipeline start-up); the model library is
 imported inside the methods that build or export models.
@@ -33,7 +34,7 @@ Sums = dict[str, float]
 
 @dataclass(frozen=True)
 class Export:
-    """How the registry version of a pretrained model is logged (`stages.pretrain.register`)."""
+    """How the registry version of a pretrained model is logged (`stages.pretrain.registry.register`)."""
 
     description: str
     """The model, e.g. "DeBERTa MLM+EMD"; the driver appends steps and ZeRO stage."""

@@ -129,7 +129,8 @@ import deepspeed
 from core.config import PretrainConfig
 from deberta.config import DebertaConfig
 from stages.pretrain import objective_for
-from stages.pretrain.loop import SafetensorsFile, optim_spec
+from stages.pretrain.continued import SafetensorsFile
+from stages.pretrain.loop import optim_spec
 from training.deepspeed_config import build_deepspeed_config
 from training.engine import build
 
@@ -156,15 +157,16 @@ os._exit(0)
 
 def test_zero3_builds_the_continued_model_from_the_starting_weights(root, tmp_path):
     """Under ZeRO-3 (2 gloo ranks) every module copies its own tensors from the stage's safetensors file while it is
-    built (`stages.pretrain.initial_weights`, `training.engine.construct`): gathered back, each parameter the file
-    holds equals it - the discriminator, the given generator, and GDES's E_delta = E_D - E_G."""
+    built (`stages.pretrain.continued.initial_weights`, `training.engine.construct`): gathered back, each parameter
+    the file holds equals it - the discriminator, the given generator, and GDES's E_delta = E_D - E_G."""
     import dataclasses
     import json
 
     from conftest import run_gloo_ranks
     from core.config import PretrainConfig
     from core.init_checkpoint import resolve_checkpoint
-    from stages.pretrain import initial_weights, objective_for
+    from stages.pretrain import objective_for
+    from stages.pretrain.continued import initial_weights
 
     disc_dir, gen_dir = released(root, "model", layers=2, seed=2), released(root, "mlm", layers=1, seed=3)
     inputs = {"init": resolve_checkpoint(str(disc_dir), key="pretrain.init"),

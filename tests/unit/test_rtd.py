@@ -357,7 +357,8 @@ def test_zero3_engine_matches_plain_torch(sharing, tmp_path):
 # ----------------------------------------------------------------------------------------------- the objective
 
 def test_generator_deeper_than_the_discriminator_is_refused_before_any_stage():
-    """The RTD objective's own check (`stages.pretrain.check_config`), run by `pipeline.run` beside `validate`."""
+    """The RTD objective's own check (`stages.pretrain.objectives.check_config`), run by `pipeline.run` beside
+    `validate`."""
     import argparse
 
     from core.config import ConfigError, apply_overrides, validate
@@ -376,12 +377,16 @@ def test_generator_deeper_than_the_discriminator_is_refused_before_any_stage():
     check_config(dataclasses.replace(cfg.pretrain, objective="mlm"), cfg.model)  # MLM has no generator
 
 
-def test_every_configurable_objective_has_an_implementation():
-    from core.config import OBJECTIVES as NAMES
-    from stages.pretrain import OBJECTIVES
+def test_every_objective_is_found_by_its_own_name():
+    """`pretrain.objective` names an implementation by the name it gives itself; any other name is refused."""
+    from core.config import ConfigError, PretrainConfig
+    from stages.pretrain.objectives import OBJECTIVES, objective_for
 
-    assert set(OBJECTIVES) == set(NAMES)
-    assert all(OBJECTIVES[name].name == name for name in NAMES)
+    assert set(OBJECTIVES) == {"mlm", "rtd"}
+    assert all(OBJECTIVES[name].name == name and objective_for(PretrainConfig(objective=name)).name == name
+               for name in OBJECTIVES)
+    with pytest.raises(ConfigError, match="pretrain.objective='electra': use mlm or rtd"):
+        objective_for(PretrainConfig(objective="electra"))
 
 
 def test_validation_sums_are_named_and_add_up_over_batches():

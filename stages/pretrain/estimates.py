@@ -1,0 +1,86 @@
+"""`--dry-run` for the pretrain stage: the run on paper - parameters, ZeRO-2/3 model-state memory per GPU
+(DeepSpeed's own estimators), tokens per step, compute and time at an assumed utilisation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+from typing import TYPE_CHECKING
+
+from core.config import PretrainConfig
+from stages.pretrain.objective import Objective
+from stages.pretrain.objectives import check_config, objective_for
+from training.deepspeed_config import build_deepspeed_config
+
+if TYPE_CHECKING:
+    from deberta.config import DebertaConfig
+
+PLAN_GPUS_PER_NODE = 8
+PLAN_DEVICE = "H100"
+PLAN_MFU = 0.40
+"""Assumptions: 8 GPUs per node, H100 bf16 dense peak (deberta.flops), 40% model-FLOPs utilisation."""
+
+
+def largest_layer_params(objective: Objective, model: "DebertaConfig") -> int:
+    """Largest single module's own parameters (the word embedding for every preset), on the meta device."""
+    import torch
+
+    factory, _ = objective.build_model(model)
+    with torch.device("meta"):
+        m = factory()
+    return max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules())
+
+
+def zero_estimates(total: int, largest: int, nodes: int, gpus_per_node: int) -> tuple[float, float, str]:
+    """DeepSpeed's model-state estimates per GPU (bytes) for ZeRO-2 and ZeRO-3 without offload, and its tables."""
+    from deepspeed.runtime.zero.stage3 import (estimate_zero3_model_states_mem_needs,
+                                               estimate_zero3_model_states_mem_needs_all_cold)
+    from deepspeed.runtime.zero.stage_1_and_2 import (estimate_zero2_model_states_mem_needs,
+                                                      estimate_zero2_model_states_mem_needs_all_cold)
+
+    tables = io.StringIO()
+    with contextlib.redirect_stdout(tables):
+        estimate_zero2_model_states_mem_needs_all_cold(total, num_gpus_per_node=gpus_per_node, num_nodes=nodes)
+        estimate_zero3_model_states_mem_needs_all_cold(total, largest, num_gpus_per_node=gpus_per_node, num_nodes=nodes)
+    _, zero2 = estimate_zero2_model_states_mem_needs(total, gpus_per_node, nodes, cpu_offload=False)
+    _, zero3, _ = estimate_zero3_model_states_mem_needs(total, largest, gpus_per_node, nodes, cpu_offload=False,
+                                                        cpu_offload_params=False, zero_init=True)
+    return zero2, zero3, tables.getvalue()
+
+
+def dry_run(cfg: PretrainConfig, model: DebertaConfig) -> str:
+    """The plan on paper: parameters, ZeRO-2/3 memory per GPU (DeepSpeed's estimators), tokens, time."""
+    from deberta.flops import PEAK_FLOPS
+
+    check_config(cfg, model)
+    objective = objective_for(cfg)
+    counts = objective.parameter_counts(model)
+    largest = largest_layer_params(objective, model)
+    nodes = max(1, math.ceil(cfg.num_workers / PLAN_GPUS_PER_NODE))
+    gpus_per_node = min(cfg.num_workers, PLAN_GPUS_PER_NODE)
+    zero2, zero3, tables = zero_estimates(counts["total"], largest, nodes, gpus_per_node)
+    seq_len = model.max_position_embeddings
+    tokens = cfg.train_batch_size * seq_len
+    flops_tok = objective.train_flops_per_token(model, seq_len)
+    peak = PEAK_FLOPS[(PLAN_DEVICE, "bf16")]
+    step_s = tokens * flops_tok / (cfg.num_workers * peak * PLAN_MFU)
+    accum = build_deepspeed_config(cfg, cfg.num_workers, cfg.use_gpu).accumulation
+    lines = [
+        f"pretrain plan: {nodes} node(s) x {gpus_per_node} {PLAN_DEVICE} = {cfg.num_workers} workers, "
+        f"ZeRO-{cfg.zero_stage}",
+        objective.plan_line(model, counts, largest),
+        f"  batch: {cfg.train_batch_size} sequences x {seq_len} tokens (model.max_position_embeddings) = "
+        f"{tokens:,} tokens/step; micro {cfg.micro_batch_size} x accumulation {accum} x {cfg.num_workers} workers",
+        f"  compute: {flops_tok / 1e9:.3g} GFLOP/token for training (deberta.flops: 3 x forward incl. attention "
+        f"and EMD{objective.flops_note}) = {tokens * flops_tok / 1e15:.3g} PFLOP/step",
+        f"  at {PLAN_MFU:.0%} MFU of {peak / 1e12:.0f} TFLOP/s bf16 per {PLAN_DEVICE}: {step_s:.3g} s/step, "
+        f"{cfg.max_steps:,} steps = {cfg.max_steps * step_s / 86400:.3g} days "
+        f"({tokens * cfg.max_steps / 1e9:,.1f}B tokens)",
+        f"  model states per GPU without offload: ZeRO-2 {zero2 / 2**30:.2f} GiB, ZeRO-3 {zero3 / 2**30:.2f} GiB "
+        f"(ZeRO-3 builds the model inside zero.Init, partitioned module by module)",
+        "  DeepSpeed's estimator tables (model states only: bf16 params/grads + fp32 master and Adam; no activations):",
+        *("    " + line for line in tables.strip().splitlines()),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,36 @@
+"""The objectives by name: the one place that reads `pretrain.objective`.
+
+A new objective is one file beside `mlm.py` and `rtd.py` (an `Objective` with its `name`, its checks and its model)
+and one entry in `OBJECTIVES`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from core.config import ConfigError, PretrainConfig
+from stages.pretrain.mlm import MLM
+from stages.pretrain.objective import Objective
+from stages.pretrain.rtd import RTD
+from stages.pretrain.sop import SentenceOrder
+
+if TYPE_CHECKING:
+    from deberta.config import DebertaConfig
+
+OBJECTIVES: dict[str, type[Objective]] = {o.name: o for o in (MLM, RTD)}
+"""`pretrain.objective` -> its implementation."""
+
+
+def objective_for(cfg: PretrainConfig) -> Objective:
+    """The objective `cfg` names, with ALBERT's SOP on top when `pretrain.sop` is set."""
+    if cfg.objective not in OBJECTIVES:
+        raise ConfigError(f"pretrain.objective={cfg.objective!r}: use {' or '.join(OBJECTIVES)}")
+    objective = OBJECTIVES[cfg.objective](cfg)
+    return SentenceOrder(objective) if cfg.sop else objective
+
+
+def check_config(cfg: PretrainConfig, model: DebertaConfig) -> None:
+    """The objective's own settings, alone and against the [model] section; run with `validate`, before any stage."""
+    problems = objective_for(cfg).check(model)
+    if problems:
+        raise ConfigError("; ".join(problems))
