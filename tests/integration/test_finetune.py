@@ -377,15 +377,14 @@ def _sweep(cfg: FinetuneConfig, tiny_pretrained, tmp_path: Path, tracker, name: 
 @pytest.mark.ray
 @pytest.mark.slow
 def test_deepspeed_trial_of_one_worker_repeats_the_torch_trial(tiny_pretrained, ray_local, tracker, tmp_path):
-    """Same grid point, same seed: one DeepSpeed worker (ZeRO-0, fp32) trains exactly what one torch process does."""
+    """Same grid point, same seed: one DeepSpeed worker (ZeRO-0, fp32) trains exactly what one torch process does.
+    Equality holds at any size (512 examples, 32 steps); that a trial learns is the sweep tests' business."""
     point = dict(task="rotten-tomatoes", dropout=(0.1,), warmup_steps=(10,), lr=(1e-3,), batch_size=(32,), epochs=2,
-                 max_seq_len=SEQ, max_train_examples=2_000, max_concurrent_trials=1)
-    result, _, plain = _sweep(FinetuneConfig(**point), tiny_pretrained, tmp_path, tracker, "plain")
+                 max_seq_len=SEQ, max_train_examples=512, max_concurrent_trials=1)
+    _, _, plain = _sweep(FinetuneConfig(**point), tiny_pretrained, tmp_path, tracker, "plain")
     _, _, ds = _sweep(FinetuneConfig(**point, trainer="deepspeed", workers_per_trial=1, zero_stage=0),
                       tiny_pretrained, tmp_path, tracker, "ds")
     print(plain.iloc[0].to_dict(), ds.iloc[0].to_dict())
-    n_dev = len(resolve_task(point["task"]).dev)
-    assert learned(plain["dev_accuracy"][0], result.metrics["majority_baseline"], n_dev), plain.iloc[0].to_dict()
     assert ds["best_epoch"][0] == plain["best_epoch"][0]
     assert ds["final_train_loss"][0] == pytest.approx(plain["final_train_loss"][0], rel=1e-4)
     assert ds["dev_accuracy"][0] == pytest.approx(plain["dev_accuracy"][0], abs=1e-9)
@@ -395,7 +394,8 @@ def test_deepspeed_trial_of_one_worker_repeats_the_torch_trial(tiny_pretrained, 
 @pytest.mark.slow
 def test_deepspeed_sweep_zero3_two_workers_with_sift(tiny_pretrained, ray_local, mlflow_server, tmp_path, monkeypatch):
     """trainer=deepspeed as the 1.5B preset runs it (ZeRO, SiFT), at 2 workers: each trial a Ray Train run; the
-    weights gathered from the ZeRO-3 shards are the model that scored the reported dev accuracy."""
+    weights gathered from the ZeRO-3 shards are the model that scored the reported dev metrics. Gathering and SiFT
+    hold at any size (512 examples, 16 steps of 2 workers); that a trial learns is the plain sweep's test."""
     from mlflow.tracking import MlflowClient
 
     from core.lineage import Lineage
@@ -406,7 +406,7 @@ def test_deepspeed_sweep_zero3_two_workers_with_sift(tiny_pretrained, ray_local,
     tracker = lineage.stage_run("finetune", "ds-sweep", {"finetune": {}}, {}, cached=False)
     # One trial: choosing among trials is the plain sweep's test; this one is about a trial on ZeRO-3 workers.
     cfg = FinetuneConfig(task="rotten-tomatoes", dropout=(0.0,), warmup_steps=(10,), lr=(2e-3,),
-                         batch_size=(32,), epochs=2, max_seq_len=SEQ, max_train_examples=2_000,
+                         batch_size=(32,), epochs=2, max_seq_len=SEQ, max_train_examples=512,
                          max_concurrent_trials=1, trainer="deepspeed", workers_per_trial=2, zero_stage=3, sift=True)
     result, out, table = _sweep(cfg, tiny_pretrained, tmp_path, tracker, "ds-sweep")
     print(f"deepspeed sweep: {result.metrics}, {result.summary}")
@@ -421,15 +421,23 @@ def test_deepspeed_sweep_zero3_two_workers_with_sift(tiny_pretrained, ray_local,
         progress = pd.read_csv(trial / "progress.csv")
         assert (progress["world_size"] == 2).all() and (progress["sift_loss"] > 0).all()
     task = resolve_task(cfg.task)
-    best, baseline = result.metrics["best_dev_accuracy"], result.metrics["majority_baseline"]
-    assert learned(best, baseline, len(task.dev)), (best, baseline)
+    best = result.metrics["best_dev_accuracy"]
 
-    # the weights gathered from the ZeRO-3 shards, evaluated in one plain process, give the reported accuracy
+    # the weights gathered from the ZeRO-3 shards, evaluated in one plain process, give the reported dev metrics;
+    # they are whole (a strict load: no shard left empty) and trained (the backbone moved from the checkpoint), so
+    # neither an ungathered model nor the initial one passes, even where 16 steps leave the predictions one class
     saved = json.loads((out / "model" / "finetune.json").read_text())
     clf = DebertaForSequenceClassification(checkpoint.load_config(out / "model"), saved["num_labels"], 0.0)
-    clf.load_state_dict(torch.load(out / "model" / "model.pt", weights_only=True))
+    tuned = torch.load(out / "model" / "model.pt", weights_only=True)
+    clf.load_state_dict(tuned)
     dev = ft_data.encode_split(Tokenizer.load(out / "model" / "tokenizer"), task.dev, SEQ)
-    assert ft_trial.evaluate(clf, dev, task.kind, "cpu")["accuracy"] == pytest.approx(best, abs=1e-6)
+    scored = ft_trial.evaluate(clf, dev, task.kind, "cpu")
+    assert scored["accuracy"] == pytest.approx(best, abs=1e-6) and table["dev_accuracy"][0] == pytest.approx(best)
+    assert scored["f1"] == pytest.approx(table["dev_f1"][0], abs=1e-6)
+    assert scored["mcc"] == pytest.approx(table["dev_mcc"][0], abs=1e-6)
+    given = checkpoint.load_state_dict(tiny_pretrained[0].path / "model")
+    key = "deberta.encoder.layer.0.attention.self.query_proj.weight"
+    assert float((tuned[key] - given[key]).abs().max()) > 1e-4
 
     client = MlflowClient(mlflow_server)
     mv = client.get_model_version_by_alias("deberta-debug-rotten-tomatoes", "champion")
