@@ -213,7 +213,6 @@ def finetune_all(args, model, vocab_dir: Path, backbones: dict[str, dict]) -> tu
 
     from bench.objectives import finetune_job
     from core.config import FinetuneConfig
-    from core.tokenizer import Tokenizer
     from stages.finetune.data import prepare_data
     from stages.finetune.tasks import resolve_task
     from stages.finetune.trial import TrialSetup
@@ -222,7 +221,7 @@ def finetune_all(args, model, vocab_dir: Path, backbones: dict[str, dict]) -> tu
     ft = FinetuneConfig(task=task.name, dropout=(args.ft_dropout,), warmup_steps=(args.ft_warmup,), lr=(args.ft_lr,),
                         batch_size=(args.ft_batch,), seeds=args.seeds, epochs=args.ft_epochs,
                         max_seq_len=args.ft_seq_len, max_train_examples=args.ft_examples)
-    data = prepare_data(task, Tokenizer.load(vocab_dir), ft)
+    data = prepare_data(task, vocab_dir, ft)
     setup = TrialSetup(model, task.num_labels, task.kind, task.metric, ft)
     config = {"dropout": args.ft_dropout, "warmup_steps": args.ft_warmup, "lr": args.ft_lr,
               "batch_size": args.ft_batch}

@@ -325,7 +325,6 @@ def finetune_setup(args, model, vocab_dir: Path):
     import itertools
 
     from core.config import FinetuneConfig
-    from core.tokenizer import Tokenizer
     from stages.finetune.data import prepare_data
     from stages.finetune.tasks import majority_baseline, resolve_task
     from stages.finetune.trial import TrialSetup
@@ -334,7 +333,7 @@ def finetune_setup(args, model, vocab_dir: Path):
     ft = FinetuneConfig(task=task.name, dropout=args.ft_dropout, warmup_steps=args.ft_warmup, lr=args.ft_lr,
                         batch_size=args.ft_batch, seeds=args.seeds, epochs=args.ft_epochs,
                         max_seq_len=args.ft_seq_len, max_train_examples=args.ft_examples, cpus_per_trial=args.threads)
-    data = prepare_data(task, Tokenizer.load(vocab_dir), ft)
+    data = prepare_data(task, vocab_dir, ft)
     setup = TrialSetup(model, task.num_labels, task.kind, task.metric, ft)
     grid = [dict(zip(("dropout", "warmup_steps", "lr", "batch_size"), point))
             for point in itertools.product(ft.dropout, ft.warmup_steps, ft.lr, ft.batch_size)]

@@ -80,7 +80,6 @@ def main(argv=None) -> int:
     from stages.finetune import sweep as ft_sweep
     from stages.finetune.trial import TrialSetup
     from stages.finetune.tasks import majority_baseline, resolve_task
-    from core.tokenizer import Tokenizer
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     pre = args.pretrained or tiny_pretrained_dir(args.workdir)
@@ -90,7 +89,7 @@ def main(argv=None) -> int:
                          max_seq_len=args.max_seq_len, max_train_examples=args.max_train_examples,
                          max_concurrent_trials=args.concurrent, cpus_per_trial=1)
     model_cfg = checkpoint.load_config(pre / "model")
-    data = ft_data.prepare_data(task, Tokenizer.load(pre / "tokenizer"), cfg)
+    data = ft_data.prepare_data(task, pre / "tokenizer", cfg)
     setup = TrialSetup(model_cfg, task.num_labels, task.kind, task.metric, cfg)
     weights = ft_data.backbone_weights(pre / "model")
     if not ray.is_initialized():

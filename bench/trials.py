@@ -58,7 +58,6 @@ def main(argv=None) -> int:
     from stages.finetune import sweep as ft_sweep
     from stages.finetune.trial import TrialSetup
     from stages.finetune.tasks import resolve_task
-    from core.tokenizer import Tokenizer
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     pre = args.pretrained or tiny_pretrained_dir(args.workdir)
@@ -67,7 +66,7 @@ def main(argv=None) -> int:
                           batch_size=(args.batch_size,), epochs=args.epochs, max_seq_len=args.max_seq_len,
                           max_train_examples=args.max_train_examples, max_concurrent_trials=1)
     model_cfg = checkpoint.load_config(pre / "model")
-    data = ft_data.prepare_data(task, Tokenizer.load(pre / "tokenizer"), base)
+    data = ft_data.prepare_data(task, pre / "tokenizer", base)
     weights = ft_data.backbone_weights(pre / "model")
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, configure_logging=False, log_to_driver=False,
              object_store_memory=1 << 30)

@@ -43,6 +43,7 @@ TAG_EXPERIMENT_KIND, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_de
 # task -> the input columns a logged model may take (core/hf_pyfunc.py): a classifier reads a task's sentence
 # columns (sentence2 only for pair tasks), the encoders a `text` (fill-mask: with [MASK]).
 HF_TASKS = {"text-classification": (("sentence1",), ("sentence1", "sentence2")),
+            "token-classification": (("text",),), "question-answering": (("question", "context"),),
             "fill-mask": (("text",),), "feature-extraction": (("text",),)}
 HF_PYFUNC = Path(__file__).with_name("hf_pyfunc.py")
 # What the model needs at load time. Given, MLflow does not infer them (it would load the model again in a
@@ -113,7 +114,7 @@ def _hf_signature(task: str, columns: list[str], hf_dir: Path):
     head, problem_type "regression" in its config.json: the score alone)."""
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, DataType, Schema
-    from mlflow.types.schema import Array
+    from mlflow.types.schema import Array, Object, Property
 
     inputs = Schema([ColSpec("string", c) for c in columns])
     if task == "text-classification":
@@ -123,6 +124,13 @@ def _hf_signature(task: str, columns: list[str], hf_dir: Path):
                                                                      ColSpec("double", "score")]
     elif task == "fill-mask":
         outputs = [ColSpec("string", "token"), ColSpec("double", "score"), ColSpec("string", "sequence")]
+    elif task == "token-classification":
+        entity = Object([Property("entity_group", "string"), Property("word", "string"), Property("start", "long"),
+                         Property("end", "long"), Property("score", "double")])
+        outputs = [ColSpec(Array(entity), "entities")]
+    elif task == "question-answering":
+        outputs = [ColSpec("string", "answer"), ColSpec("double", "score"), ColSpec("long", "start"),
+                   ColSpec("long", "end")]
     else:
         outputs = [ColSpec(Array(DataType.double), "embedding")]
     return ModelSignature(inputs, Schema(outputs))

@@ -1,5 +1,6 @@
 """Import from / export to HF `transformers` DeBERTa-v2 (`DebertaV2Model`, `DebertaV2ForMaskedLM` with
-`legacy=False`, `DebertaV2ForSequenceClassification`), tokenizer included.
+`legacy=False`, `DebertaV2ForSequenceClassification`, `DebertaV2ForTokenClassification`,
+`DebertaV2ForQuestionAnswering`), tokenizer included.
 
 Our parameter names are HF's, so conversion is a state-dict copy; the only keys that differ are ours
 alone: the EMD's absolute position table (`emd.position_embeddings`), which HF has no place for. It is
@@ -27,10 +28,15 @@ import torch
 from torch import nn
 
 from deberta.config import DebertaConfig
-from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification, DebertaModel
+from deberta.heads import DebertaForQuestionAnswering, DebertaForSequenceClassification, DebertaForTokenClassification
+from deberta.model import DebertaForMaskedLM, DebertaModel
 
 # Keys that exist only in our models (HF has no EMD).
 OURS_ONLY_PREFIXES = ("emd.",)
+PIPELINE_TAGS = {DebertaForMaskedLM: "fill-mask", DebertaForSequenceClassification: "text-classification",
+                 DebertaForTokenClassification: "token-classification",
+                 DebertaForQuestionAnswering: "question-answering"}
+"""The transformers pipeline (and model card tag) of each exported model class; anything else: feature-extraction."""
 BACKBONE_PREFIX = "deberta."
 # HF settings our architecture fixes (relative attention only, no absolute positions at the input, GELU, no token
 # types): anything else cannot be imported faithfully.
@@ -184,7 +190,8 @@ def _hf_state(hf_model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def from_transformers(hf_model: nn.Module) -> nn.Module:
-    """HF DebertaV2Model / DebertaV2ForMaskedLM(legacy=False) / DebertaV2ForSequenceClassification -> ours.
+    """HF DebertaV2Model / DebertaV2ForMaskedLM(legacy=False) / DebertaV2For{Sequence,Token}Classification /
+    DebertaV2ForQuestionAnswering -> ours.
 
     An imported MLM gets a freshly initialised EMD position table (HF checkpoints have none).
     """
@@ -202,6 +209,12 @@ def from_transformers(hf_model: nn.Module) -> nn.Module:
             state = _from_legacy_head(state)
         model = DebertaForMaskedLM(cfg)
         _copy_state(state, model, OURS_ONLY_PREFIXES)
+    elif name == "DebertaV2ForTokenClassification":
+        model = DebertaForTokenClassification(cfg, hf_model.config.num_labels, _cls_dropout(hf_model.config))
+        _copy_state(state, model, ())
+    elif name == "DebertaV2ForQuestionAnswering":
+        model = DebertaForQuestionAnswering(cfg, _cls_dropout(hf_model.config))
+        _copy_state(state, model, ())
     elif name == "DebertaV2ForSequenceClassification":
         hc = hf_model.config
         cls_dropout = getattr(hc, "cls_dropout", None)
@@ -217,9 +230,17 @@ def from_transformers(hf_model: nn.Module) -> nn.Module:
     return model
 
 
-def _label_config(model: DebertaForSequenceClassification, labels: Sequence[str] | None) -> dict[str, Any]:
+def _cls_dropout(hc) -> float:
+    """The task-layer dropout of an HF head config (`cls_dropout`, else the hidden dropout, as HF's heads)."""
+    cls_dropout = getattr(hc, "cls_dropout", None)
+    return hc.hidden_dropout_prob if cls_dropout is None else cls_dropout
+
+
+def _label_config(model: nn.Module, labels: Sequence[str] | None) -> dict[str, Any]:
     """num_labels, id2label/label2id and problem_type of a classifier's HF config, from the task's label names."""
-    if model.regression:
+    if isinstance(model, DebertaForQuestionAnswering):
+        return {}
+    if getattr(model, "regression", False):
         names = list(labels or ["score"])
         problem = "regression"  # the text-classification pipeline then returns the raw score, not a sigmoid
     else:
@@ -243,12 +264,18 @@ def to_transformers(model: nn.Module, labels: Sequence[str] | None = None,
     """
     import transformers as tf
 
-    if isinstance(model, DebertaForSequenceClassification):
-        if model.deberta.embeddings.sift and not drop_sift_normalisation:
-            raise ValueError("to_transformers: this classifier was built with sift=True, which normalises word "
-                             "embeddings before the embedding LayerNorm and HF DebertaV2 cannot; pass "
-                             "drop_sift_normalisation=True to export it without (outputs move by about "
-                             "layer_norm_eps / (2 var(embedding)), relative)")
+    heads = {DebertaForTokenClassification: tf.DebertaV2ForTokenClassification,
+             DebertaForQuestionAnswering: tf.DebertaV2ForQuestionAnswering}
+    if isinstance(model, (DebertaForSequenceClassification, *heads)) and model.deberta.embeddings.sift \
+            and not drop_sift_normalisation:
+        raise ValueError("to_transformers: this head was built with sift=True, which normalises word "
+                         "embeddings before the embedding LayerNorm and HF DebertaV2 cannot; pass "
+                         "drop_sift_normalisation=True to export it without (outputs move by about "
+                         "layer_norm_eps / (2 var(embedding)), relative)")
+    if type(model) in heads:
+        hf_cfg = to_hf_config(model.cfg, cls_dropout=model.classifier_dropout, **_label_config(model, labels))
+        hf_model = heads[type(model)](hf_cfg)
+    elif isinstance(model, DebertaForSequenceClassification):
         hf_cfg = to_hf_config(
             model.cfg,
             cls_dropout=model.classifier_dropout,
@@ -397,14 +424,14 @@ def _model_card(path: Path, hf_model: nn.Module, pipeline_tag: str, tokenizer_le
     if pipeline_tag == "fill-mask":
         lines.append(f"- LM-head bias of rows {tokenizer_len}..{cfg.vocab_size - 1} (no token) "
                      f"set to {NOT_A_TOKEN_BIAS:g}")
-    elif pipeline_tag == "text-classification":
+    elif pipeline_tag in ("text-classification", "token-classification"):
         lines.append(f"- labels: {cfg.id2label} ({cfg.problem_type})")
     (path / "README.md").write_text("\n".join(lines) + "\n")
 
 
 def save_pretrained(model: nn.Module, path: str | Path, *, vocab_dir: str | Path,
                     labels: Sequence[str] | None = None, model_max_length: int | None = None,
-                    drop_sift_normalisation: bool = False) -> Path:
+                    drop_sift_normalisation: bool = False, config_extra: dict[str, Any] | None = None) -> Path:
     """Write a whole HF directory: config.json, model.safetensors, tokenizer, README.md.
 
     `transformers.AutoModel` / `AutoModelForMaskedLM` / `AutoModelForSequenceClassification`, `AutoTokenizer` and
@@ -413,20 +440,22 @@ def save_pretrained(model: nn.Module, path: str | Path, *, vocab_dir: str | Path
     labels: a classifier's class names, index = class id (the task's labels; None/empty for regression).
     model_max_length: the tokenizer's truncation length (fine-tuning: its max_seq_len); default: the model's
     max_position_embeddings.
+    config_extra: fields added to config.json (transformers keeps unknown fields), for what serves the model.
     """
     tokenizer_len = len(read_vocab(vocab_dir).pieces) + 1
     if tokenizer_len > model.cfg.vocab_size:
         raise ValueError(f"save_pretrained: the tokenizer in {vocab_dir} has {tokenizer_len} ids but the model only "
                          f"{model.cfg.vocab_size} embedding rows; export it with the vocabulary it was trained with")
     hf_model = to_transformers(model, labels, drop_sift_normalisation)
+    for key, value in (config_extra or {}).items():  # settings the serving side reads (e.g. a QA threshold)
+        setattr(hf_model.config, key, value)
     if isinstance(model, DebertaForMaskedLM):
         _mask_rows_past_tokenizer(hf_model, tokenizer_len)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_tokenizer(vocab_dir, path, model_max_length or model.cfg.max_position_embeddings)
     hf_model.save_pretrained(path)
-    tag = "fill-mask" if isinstance(model, DebertaForMaskedLM) else (
-        "text-classification" if isinstance(model, DebertaForSequenceClassification) else "feature-extraction")
+    tag = PIPELINE_TAGS.get(type(model), "feature-extraction")
     _model_card(path, hf_model, tag, tokenizer_len)
     return path
 

@@ -1,4 +1,5 @@
-"""DeBERTa backbone and its two task models (DeBERTa §3; the 1.5B shape of §5.3).
+"""DeBERTa backbone and its pretraining model (DeBERTa §3; the 1.5B shape of §5.3); the fine-tuning heads are
+`deberta.heads`.
 
 * `DebertaModel`: word embedding (-> E x H projection when factorised) -> LayerNorm -> dropout (padding
   zeroed; no absolute positions), L post-LN layers of disentangled attention (optionally sharing weights
@@ -6,8 +7,6 @@
 * `DebertaForMaskedLM`: the backbone's first L-1 layers, then the Enhanced Mask Decoder (the last layer
   run twice with shared weights, absolute positions added to the first query), then the tied LM head;
   queries only at MLM targets; optionally ALBERT's sentence-order head on the final [CLS] state (`sop=True`).
-* `DebertaForSequenceClassification`: first-token pooler + task-layer dropout + linear head
-  (one label = regression with MSE); no EMD. Accepts an `embedding_delta` for SiFT (`deberta.sift`).
 
 Parameter names are those of HF `DebertaV2*` (`legacy=False` for the LM head), so `deberta.hf` converts
 checkpoints with a copy loop. Distribution (FSDP/ZeRO, compile) is applied from outside.
@@ -523,71 +522,6 @@ class DebertaForMaskedLM(nn.Module):
         return out
 
 
-class ContextPooler(nn.Module):
-    """First-token pooler (HF `ContextPooler`): dropout -> dense -> GELU."""
-
-    def __init__(self, cfg: DebertaConfig, dropout: float):
-        super().__init__()
-        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.gelu(self.dense(self.dropout(hidden[:, 0])))  # (B, H)
-
-
-class DebertaForSequenceClassification(nn.Module):
-    """Sequence classification / regression (HF `DebertaV2ForSequenceClassification`).
-
-    classifier_dropout: the Table 9 "task-layer dropout" before the classifier (HF `cls_dropout`).
-    pooler_dropout: dropout inside the pooler (HF `pooler_dropout`, reference default 0).
-    sift: normalise word embeddings before the embedding LayerNorm so `deberta.sift` can perturb them.
-    num_labels == 1 means regression: logits (B, 1), loss = MSE against float labels.
-    """
-
-    def __init__(
-        self,
-        cfg: DebertaConfig,
-        num_labels: int,
-        classifier_dropout: float,
-        pooler_dropout: float = 0.0,
-        sift: bool = False,
-    ):
-        super().__init__()
-        if num_labels < 1:
-            raise ValueError(f"DebertaForSequenceClassification: num_labels={num_labels} must be >= 1 (1 = regression)")
-        self.cfg = cfg
-        self.num_labels = num_labels
-        self.classifier_dropout = classifier_dropout
-        self.pooler_dropout = pooler_dropout
-        self.deberta = DebertaModel(cfg, sift=sift, _init=False)
-        self.pooler = ContextPooler(cfg, pooler_dropout)
-        self.dropout = nn.Dropout(classifier_dropout)
-        self.classifier = nn.Linear(cfg.hidden_size, num_labels)
-        self.apply(lambda m: init_weights(m, cfg))
-
-    @property
-    def regression(self) -> bool:
-        return self.num_labels == 1
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        embedding_delta: torch.Tensor | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """embedding_delta (B, T, H): added to the normalised word embeddings (SiFT; needs sift=True)."""
-        hidden, _, _ = self.deberta.encode(input_ids, attention_mask, embedding_delta=embedding_delta)
-        logits = self.classifier(self.dropout(self.pooler(hidden)))  # (B, num_labels)
-        out = {"logits": logits}
-        if labels is not None:
-            if self.regression:
-                out["loss"] = F.mse_loss(logits.view(-1).float(), labels.view(-1).float())
-            else:
-                out["loss"] = F.cross_entropy(logits.float(), labels.view(-1).long())
-        return out
-
-
 _LAYER_KEY = re.compile(r"^(.*encoder\.layer\.)0\.(.+)$")
 _SHARED_PARTS = {"all": ("",), "attention": ("attention.",), "ffn": ("intermediate.", "output.")}
 
@@ -615,15 +549,14 @@ def num_parameters(cfg: DebertaConfig, model: str = "backbone") -> int:
     """Parameter count, computed by building the model on the meta device (no memory is allocated).
 
     model: "backbone" (`DebertaModel`, comparable to `transformers.DebertaV2Model`), "mlm"
-    (`DebertaForMaskedLM`: + LM head + the EMD's absolute position table; the decoder is tied), "mlm_sop"
-    (the same with ALBERT's sentence-order head) or "classification" (`DebertaForSequenceClassification` with two
-    labels). Shared layers (`share_layers`) count once.
+    (`DebertaForMaskedLM`: + LM head + the EMD's absolute position table; the decoder is tied) or "mlm_sop"
+    (the same with ALBERT's sentence-order head). Shared layers (`share_layers`) count once; a fine-tuning head
+    adds `deberta.heads.head_parameters`.
     """
     builders = {
         "backbone": lambda: DebertaModel(cfg),
         "mlm": lambda: DebertaForMaskedLM(cfg),
         "mlm_sop": lambda: DebertaForMaskedLM(cfg, sop=True),
-        "classification": lambda: DebertaForSequenceClassification(cfg, num_labels=2, classifier_dropout=0.0),
     }
     if model not in builders:
         raise ValueError(f"num_parameters: model={model!r}; choose one of {sorted(builders)}")

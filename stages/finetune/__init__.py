@@ -1,17 +1,20 @@
 """Finetune stage: a Ray Tune sweep over the paper's Table 9 grid, the champion to the MLflow registry.
 
-    tasks.py     built-in and GLUE-format tasks, their metrics
+    kinds/       the task kinds, one file each: sequence.py (classification, regression), token.py (NER),
+                 span.py (extractive QA); each owns its format, features, head, metrics, baseline and serving
+    tasks.py     a built-in name or a task directory -> the task, read by its kind
     data.py      the splits as token arrays; the checkpoint (ours, or `finetune.init`: an HF DeBERTa-v2 directory
                  or a registry version)
     trial.py     one trial: `run_epochs` on a torch or DeepSpeed engine (`training.engine`)
     sweep.py     the Tune grid, trials as nested MLflow runs, selection
     registry.py  the champion's model/ and hf/, the sweep plot, the registry entry
 
-Outputs: model/ (config.json, model.pt, finetune.json, tokenizer/), hf/ (DebertaV2ForSequenceClassification
-with its tokenizer and label names), results.csv (one row per trial), sweep.png (dev metric against learning
-rate), champion.json. The champion is registered as `deberta-<preset>-<task>` with alias `champion`, an MLflow
-Model over hf/: `mlflow.pyfunc.load_model("models:/deberta-<preset>-<task>@champion").predict(df)` on a DataFrame
-with `sentence1` (and `sentence2` for pair tasks) gives `label` and `score` (`score` alone for regression).
+Outputs: model/ (config.json, model.pt, finetune.json, tokenizer/), hf/ (DebertaV2For{Sequence,Token}-
+Classification or DebertaV2ForQuestionAnswering with its tokenizer and label names), results.csv (one row per
+trial), sweep.png (dev metric against learning rate), champion.json. The champion is registered as
+`deberta-<preset>-<task>` with alias `champion`, an MLflow Model over hf/:
+`mlflow.pyfunc.load_model("models:/deberta-<preset>-<task>@champion").predict(df)` reads the kind's columns
+(`sentence1` (+ `sentence2`); `text`; `question` + `context`) and answers label/score, entities, or answers.
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ from core.tokenizer import Tokenizer
 from core.errors import StageInputError
 from stages.base import StageContext, StageResult
 from stages.finetune.data import ExternalCheckpoint, load_pretrained, prepare_data
+from stages.finetune.kinds import kind_of
+from stages.finetune.kinds.base import TaskRef
 from stages.finetune.registry import _jsonable, export_hf, plot_sweep, register_champion, save_model
 from stages.finetune.sweep import (GRID_KEYS, _trial_runs_callback, best_checkpoint, grid_size, pick_champion,
                                    results_table, run_sweep)
-from stages.finetune.tasks import TaskRef, majority_baseline
 
 VERSION = "2"
 """Bumped when the stage's code changes what it writes (part of the artifact id)."""
@@ -54,12 +58,13 @@ def run(cfg: FinetuneConfig, *, model: DebertaConfig, inputs: dict[str, Any], ou
     if len(tok) > model.vocab_size:
         raise StageInputError(f"tokenizer {tok_dir} has {len(tok)} ids but the model only {model.vocab_size} embedding "
                               f"rows; the pretrained artifact and its vocabulary do not belong together")
-    data = prepare_data(task, tok, cfg)
+    data = prepare_data(task, tok_dir, cfg)
     setup = TrialSetup(model, task.num_labels, task.kind, task.metric, cfg)
     metric = f"dev_{task.metric}"
-    baseline = majority_baseline(task)
-    print(f"[finetune] {task.name}: {len(data[0])} train / {len(data[1])} dev examples, {grid_size(cfg)} trials, "
-          f"selection on {metric} (majority baseline {baseline:.4f})", flush=True)
+    baseline, baseline_name = kind_of(task.kind).baseline(task)
+    print(f"[finetune] {task.name} ({task.kind}): {len(task.train)} train / {len(task.dev)} dev examples in "
+          f"{len(data[0])} / {len(data[1])} rows, {grid_size(cfg)} trials, selection on {metric} "
+          f"({baseline_name} {baseline:.4f})", flush=True)
     init = inputs.get("pretrain") if isinstance(inputs.get("pretrain"), ExternalCheckpoint) else None
     ctx.tracker.log_params({"task.name": task.name, "task.id": task.id, "task.kind": task.kind,
                             "task.train_examples": len(data[0]), "task.dev_examples": len(data[1]),
@@ -69,7 +74,8 @@ def run(cfg: FinetuneConfig, *, model: DebertaConfig, inputs: dict[str, Any], ou
                      ctx.run_name, callbacks=[_trial_runs_callback(ctx.tracker, metric, ctx.run_name)])
     table = results_table(grid, metric)
     table.drop(columns=["trial_path"]).to_csv(out / "results.csv", index=False)
-    plot_sweep(table, metric, baseline, out / "sweep.png", f"{task.name}: {ctx.preset}, sweep {ctx.artifact_id}")
+    plot_sweep(table, metric, baseline, out / "sweep.png", f"{task.name}: {ctx.preset}, sweep {ctx.artifact_id}",
+               baseline_name)
     champion = pick_champion(table, metric)
     best = next(r for r in grid if r.metrics["trial_id"] == champion["trial_id"])
     save_model(out / "model", best_checkpoint(best, metric), setup, task, tok_dir, champion)
@@ -81,10 +87,10 @@ def run(cfg: FinetuneConfig, *, model: DebertaConfig, inputs: dict[str, Any], ou
     trial_cfg = {k: _jsonable(champion)[k] for k in (*GRID_KEYS, "seed")}
     return StageResult(
         metrics={f"best_{metric}": float(champion[metric]), f"best_{metric}_seed_mean": champion["seed_mean"],
-                 "majority_baseline": baseline},
+                 "baseline": baseline, **({"majority_baseline": baseline} if kind_of(task.kind).name == "sequence" else {})},
         counts={"trials": len(table), "trial_epochs": int(table["epochs"].sum()),
                 "train_examples": len(data[0]), "dev_examples": len(data[1])},
         log_files=("results.csv", "sweep.png", "champion.json"),
         summary={"finetune": f"{name} v{version} (alias champion): {metric}={champion[metric]:.4f} "
-                             f"vs majority baseline {baseline:.4f}; trial {json.dumps(trial_cfg)}"},
+                             f"vs {baseline_name} {baseline:.4f}; trial {json.dumps(trial_cfg)}"},
     )

@@ -1,4 +1,5 @@
-"""Fine-tuning inputs: the task's splits as token arrays, and the pretrained checkpoint they start from.
+"""Fine-tuning inputs: the task's splits as token arrays (by its kind, `stages.finetune.kinds`), and the
+pretrained checkpoint they start from.
 
 Encoding is numpy only (the driver tokenises once and ships the arrays to every trial); reading the pretrained
 weights imports torch, lazily.
@@ -6,23 +7,23 @@ weights imports torch, lazily.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from core.artifacts import Artifact
-from core.tokenizer import MODEL_FILE, Tokenizer
+from core.tokenizer import MODEL_FILE
 from core.errors import StageInputError
 from core.init_checkpoint import ExternalCheckpoint
+from stages.finetune.kinds.base import Encoded
 
 if TYPE_CHECKING:
     import torch
 
     from deberta.config import DebertaConfig
     from core.config import FinetuneConfig
-    from stages.finetune.tasks import Split, TaskRef
+    from stages.finetune.kinds.base import TaskRef
 
 # architecture fields that must agree between the run's model config and the pretrained checkpoint
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
@@ -30,48 +31,16 @@ SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention
                 "conv_kernel_size")
 
 
-@dataclass(frozen=True)
-class Encoded:
-    """A tokenised split: [CLS] a [SEP] (b [SEP]) right-padded with [PAD]=0."""
+def prepare_data(task: "TaskRef", tok_dir: Path, cfg: "FinetuneConfig") -> tuple[Encoded, Encoded]:
+    """(train, dev) rows by the task's kind (`tok_dir`: the checkpoint's vocabulary); train capped at
+    `max_train_examples` rows by a fixed-seed sample."""
+    from stages.finetune.kinds import kind_of
 
-    ids: np.ndarray  # (N, T) int32
-    label: np.ndarray  # (N,) float32: class id or regression target
-
-    def __len__(self) -> int:
-        return len(self.label)
-
-
-def _truncate_pair(a: list[int], b: list[int] | None, budget: int) -> tuple[list[int], list[int] | None]:
-    """Longest-first truncation (as HF tokenizers) until both fit in `budget` pieces."""
-    if b is None:
-        return a[:budget], None
-    la, lb = len(a), len(b)
-    while la + lb > budget:
-        if la >= lb:
-            la -= 1
-        else:
-            lb -= 1
-    return a[:la], b[:lb]
-
-
-def encode_split(tok: Tokenizer, split: "Split", max_len: int) -> Encoded:
-    a_ids = tok.encode(split.text_a, num_threads=1)
-    b_ids = tok.encode(split.text_b, num_threads=1) if split.text_b is not None else [None] * len(a_ids)
-    ids = np.full((len(a_ids), max_len), tok.pad_id, dtype=np.int32)
-    for i, (a, b) in enumerate(zip(a_ids, b_ids)):
-        a, b = _truncate_pair(a, b, max_len - (2 if b is None else 3))
-        row = [tok.cls_id, *a, tok.sep_id] + ([] if b is None else [*b, tok.sep_id])
-        ids[i, :len(row)] = row
-    return Encoded(ids, np.asarray(split.label, dtype=np.float32))
-
-
-def prepare_data(task: "TaskRef", tok: Tokenizer, cfg: "FinetuneConfig") -> tuple[Encoded, Encoded]:
-    """(train, dev) arrays; train capped at `max_train_examples` by a fixed-seed sample."""
-    train = encode_split(tok, task.train, cfg.max_seq_len)
+    kind = kind_of(task.kind)
+    train = kind.encode(task, task.train, tok_dir, cfg)
     if cfg.max_train_examples is not None and len(train) > cfg.max_train_examples:
-        keep = np.sort(np.random.default_rng(0).permutation(len(train))[:cfg.max_train_examples])
-        train = Encoded(train.ids[keep], train.label[keep])
-    return train, encode_split(tok, task.dev, cfg.max_seq_len)
+        train = train.take(np.sort(np.random.default_rng(0).permutation(len(train))[:cfg.max_train_examples]))
+    return train, kind.encode(task, task.dev, tok_dir, cfg)
 
 
 INIT_KEY = "finetune.init"

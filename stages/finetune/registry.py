@@ -1,5 +1,6 @@
 """The champion's outputs: `model/` (ours) and `hf/` (transformers) in the artifact, the sweep plot, and the
-MLflow registry entry (an MLflow Model over hf/, with the task's sentence1/sentence2 columns as its inputs)."""
+MLflow registry entry (an MLflow Model over hf/ that reads what the task's kind reads: `sentence1`/`sentence2`,
+`text`, or `question`/`context`)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,17 @@ from typing import TYPE_CHECKING
 
 from core.tokenizer import MODEL_FILE, SPECIAL_FILE
 from stages.base import StageContext
+from stages.finetune.kinds import kind_of
+from stages.finetune.kinds.base import TaskRef
 from stages.finetune.sweep import GRID_KEYS
-from stages.finetune.tasks import TaskRef
 
 if TYPE_CHECKING:
     from stages.finetune.data import ExternalCheckpoint
     from stages.finetune.trial import TrialSetup
 
 
-def plot_sweep(table, metric: str, baseline: float, path: Path, title: str) -> None:
+def plot_sweep(table, metric: str, baseline: float, path: Path, title: str, baseline_name: str = "majority baseline"
+               ) -> None:
     """Dev metric against learning rate, one line per (batch size, dropout); best warmup, mean over seeds."""
     import matplotlib
 
@@ -31,7 +34,7 @@ def plot_sweep(table, metric: str, baseline: float, path: Path, title: str) -> N
     for (bs, dropout), line in agg.groupby(level=["batch_size", "dropout"]):
         lrs = line.index.get_level_values("lr")
         ax.plot(lrs, line.values, marker="o", label=f"batch {bs}, dropout {dropout:g}")
-    ax.axhline(baseline, color="grey", linestyle="--", label=f"majority baseline {baseline:.3f}")
+    ax.axhline(baseline, color="grey", linestyle="--", label=f"{baseline_name} {baseline:.3f}")
     ax.set_xscale("log")
     ax.set_xlabel("learning rate")
     ax.set_ylabel(f"{metric} (best epoch; best warmup; mean over seeds)")
@@ -43,14 +46,15 @@ def plot_sweep(table, metric: str, baseline: float, path: Path, title: str) -> N
 
 
 def save_model(dst: Path, best_checkpoint, setup: "TrialSetup", task: TaskRef, tok_dir: Path, champion: dict) -> None:
-    """model/ = config.json (DebertaConfig) + model.pt (classification state dict) + finetune.json + tokenizer/."""
+    """model/ = config.json (DebertaConfig) + model.pt (the head's state dict) + finetune.json + tokenizer/."""
     dst.mkdir(parents=True)
     with best_checkpoint.as_directory() as ckpt:
         shutil.copyfile(Path(ckpt) / "model.pt", dst / "model.pt")
     (dst / "config.json").write_text(json.dumps(setup.model.to_dict(), indent=2, sort_keys=True) + "\n")
     head = {"task": task.name, "task_id": task.id, "kind": task.kind, "metric": task.metric,
             "labels": list(task.labels), "num_labels": setup.num_labels, "sift": setup.ft.sift,
-            "max_seq_len": setup.ft.max_seq_len, "trial": _jsonable(champion)}
+            "max_seq_len": setup.ft.max_seq_len, "doc_stride": setup.ft.doc_stride,
+            "max_answer_len": setup.ft.max_answer_len, "options": dict(task.options), "trial": _jsonable(champion)}
     (dst / "finetune.json").write_text(json.dumps(head, indent=2, sort_keys=True) + "\n")
     (dst / "tokenizer").mkdir()
     for name in (MODEL_FILE, SPECIAL_FILE):
@@ -63,25 +67,28 @@ def _jsonable(d: dict) -> dict:
 
 
 def export_hf(model_dir: Path, hf_dir: Path, task: TaskRef, dropout: float) -> None:
-    """hf/: the champion as `DebertaV2ForSequenceClassification` (context pooler included) with the tokenizer,
-    `id2label`/`label2id` from the task's label names (`problem_type` regression for a score)."""
+    """hf/: the champion as `DebertaV2For{Sequence,Token}Classification` or `DebertaV2ForQuestionAnswering` with
+    the tokenizer, `id2label`/`label2id` from the task's label names (`problem_type` regression for a score), and
+    the kind's serving settings in config.json (`TaskKind.export_config`)."""
     import torch
 
     from deberta import hf
     from deberta.config import DebertaConfig
-    from deberta.model import DebertaForSequenceClassification, unshared_state_dict
+    from deberta.heads import build_head
+    from deberta.model import unshared_state_dict
 
     head = json.loads((model_dir / "finetune.json").read_text())
     cfg = DebertaConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
     state = torch.load(model_dir / "model.pt", map_location="cpu", weights_only=True)
     # HF layers own their weights: a model with ALBERT's shared layers is exported as its unshared copy
-    model = DebertaForSequenceClassification(cfg.replace(share_layers="none"), num_labels=head["num_labels"],
-                                             classifier_dropout=dropout, sift=head["sift"])
+    kind = kind_of(head["kind"])
+    model = build_head(kind.name, cfg.replace(share_layers="none"), head["num_labels"], dropout, sift=head["sift"])
     model.load_state_dict(unshared_state_dict(state, cfg))
     # HF has no place for SiFT's parameter-free normalisation of the embeddings: the export drops it (logits move
     # by ~1e-6 relative at this scale; measured in tests/unit/test_hf_interop.py)
-    hf.save_pretrained(model.eval(), hf_dir, vocab_dir=model_dir / "tokenizer", labels=task.labels,
-                       model_max_length=head["max_seq_len"], drop_sift_normalisation=head["sift"])
+    hf.save_pretrained(model.eval(), hf_dir, vocab_dir=model_dir / "tokenizer", labels=task.labels or None,
+                       model_max_length=head["max_seq_len"], drop_sift_normalisation=head["sift"],
+                       config_extra=kind.export_config(task, head))
 
 
 def register_champion(ctx: StageContext, out: Path, task: TaskRef, champion: dict, metric: str,
@@ -95,13 +102,13 @@ def register_champion(ctx: StageContext, out: Path, task: TaskRef, champion: dic
     tags = {"pretrain": ctx.lineage.get("pretrain", ""), "corpus": ctx.lineage.get("corpus", ""),
             "vocab": ctx.lineage.get("vocab", ""), "task": task.id, "task_name": task.name, "sweep": ctx.artifact_id,
             "trial_id": champion["trial_id"], "trial_config": json.dumps(trial_cfg, sort_keys=True),
-            metric: f"{champion[metric]:.6f}", "majority_baseline": f"{baseline:.6f}"}
+            metric: f"{champion[metric]:.6f}", "baseline": f"{baseline:.6f}"}
+    if task.kind in kind_of("classification").problems:  # the constant predictor's score, under its old name
+        tags["majority_baseline"] = tags["baseline"]
     if init is not None:
         tags.update(init=init.source, init_digest=init.id)
-    example = {"sentence1": list(task.dev.text_a[:2])}
-    if task.dev.text_b is not None:
-        example["sentence2"] = list(task.dev.text_b[:2])
-    uri = ctx.tracker.log_hf_model(out / "hf", task="text-classification", input_example=example, name="champion",
-                                   tags=tags)
+    kind = kind_of(task.kind)
+    uri = ctx.tracker.log_hf_model(out / "hf", task=kind.pyfunc_task, input_example=kind.input_example(task),
+                                   name="champion", tags=tags)
     return ctx.tracker.register_model(f"deberta-{ctx.preset}-{task.name}", model_uri=uri, alias="champion",
                                       tags=tags)

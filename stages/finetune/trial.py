@@ -35,12 +35,12 @@ from training.checkpoint_files import storage_fs
 from training.engine import Engine, OptimSpec, build
 from deberta import checkpoint
 from deberta.config import DebertaConfig
-from deberta.model import DebertaForSequenceClassification
+from deberta.heads import build_head
 from deberta.sift import sift_loss
 from core.config import FinetuneConfig
 from core.errors import StageInputError
-from stages.finetune.data import Encoded
-from stages.finetune.tasks import CLASSIFICATION, compute_metrics
+from stages.finetune.kinds import kind_of
+from stages.finetune.kinds.base import Encoded
 
 EVAL_BATCH = 128
 TRIAL_STATE = "trial_state.pt"
@@ -54,23 +54,28 @@ class TrialSetup:
     model: DebertaConfig
     num_labels: int
     kind: str
+    """The task's problem (`TaskRef.kind`); `stages.finetune.kinds.kind_of` gives its kind."""
     metric: str
     ft: FinetuneConfig
 
+    @property
+    def head(self) -> str:
+        """The head of the task's kind: "sequence", "token" or "span" (`deberta.heads.build_head`)."""
+        return kind_of(self.kind).name
 
-def load_backbone(model: DebertaForSequenceClassification, weights: dict[str, torch.Tensor]) -> None:
-    """Copy the backbone; only the pooler and classifier stay freshly initialised."""
+
+def load_backbone(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Copy the backbone into a head (`deberta.heads`); only the head's own layers stay freshly initialised."""
     missing, unexpected = model.load_state_dict(weights, strict=False)
     bad = [k for k in missing if k.startswith(checkpoint.BACKBONE_PREFIX)] + list(unexpected)
     if bad:
         raise StageInputError(f"pretrained weights do not fit the model: {len(bad)} tensors differ, e.g. {bad[:3]}")
 
 
-def build_classifier(setup: TrialSetup, config: dict[str, Any]) -> DebertaForSequenceClassification:
-    """The trial's model before the backbone is loaded: pooler and classifier drawn from the trial's seed."""
+def build_classifier(setup: TrialSetup, config: dict[str, Any]) -> torch.nn.Module:
+    """The trial's model before the backbone is loaded: its head drawn from the trial's seed."""
     torch.manual_seed(config["seed"])
-    return DebertaForSequenceClassification(setup.model, setup.num_labels, classifier_dropout=config["dropout"],
-                                            sift=setup.ft.sift)
+    return build_head(setup.head, setup.model, setup.num_labels, config["dropout"], sift=setup.ft.sift)
 
 
 def trial_engine(setup: TrialSetup, config: dict[str, Any], weights: dict[str, torch.Tensor], spec: OptimSpec,
@@ -79,7 +84,7 @@ def trial_engine(setup: TrialSetup, config: dict[str, Any], weights: dict[str, t
     from deberta.model import init_weights
 
     with torch.device("meta"):  # the key check, without building the model twice
-        skeleton = DebertaForSequenceClassification(setup.model, setup.num_labels, 0.0)
+        skeleton = build_head(setup.head, setup.model, setup.num_labels, 0.0)
     missing = [k for k in skeleton.state_dict() if k.startswith(checkpoint.BACKBONE_PREFIX)
                and k not in weights]
     if missing:
@@ -116,8 +121,11 @@ def optim_spec(ft: FinetuneConfig, config: dict[str, Any], n_train: int, world: 
 def _batch(data: Encoded, idx: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ids = data.ids[idx]  # [PAD] = 0 (fixed by the vocab stage)
     width = max(1, int((ids != 0).sum(1).max()))  # trim the padding every row shares
+    labels = data.label[idx]
+    if labels.shape[1:] == data.ids.shape[1:]:  # a label per position (token kind): trimmed with the ids
+        labels = labels[:, :width]
     ids = torch.from_numpy(ids[:, :width].astype(np.int64)).to(device)  # (B, T')
-    return ids, (ids != 0).long(), torch.from_numpy(data.label[idx]).to(device)
+    return ids, (ids != 0).long(), torch.from_numpy(labels).to(device)
 
 
 @torch.no_grad()
@@ -127,19 +135,19 @@ def evaluate(model, data: Encoded, kind: str, device, rank: int = 0, world: int 
     model.eval()
     share = math.ceil(len(data) / world)
     rows = np.arange(rank * share, min(len(data), (rank + 1) * share))
-    preds = []
+    task_kind = kind_of(kind)
+    mine: list[np.ndarray] = []
     for b in range(math.ceil(share / EVAL_BATCH)):
         idx = rows[b * EVAL_BATCH:(b + 1) * EVAL_BATCH]
         real = len(idx)
         ids, mask, _ = _batch(data, idx if real else np.zeros(1, dtype=np.int64), device)  # a pad pass, dropped
-        logits = model(ids, mask)["logits"].float()  # (B, num_labels)
-        preds.append((logits.argmax(-1) if kind == CLASSIFICATION else logits[:, 0]).cpu().numpy()[:real])
-    mine = np.concatenate(preds) if preds else np.zeros(0, dtype=np.float32)
+        logits = model(ids, mask)["logits"].float()  # (B, num_labels), (B, T', num_labels) or (B, 2, T')
+        mine += task_kind.row_outputs(logits, mask)[:real]
     if world > 1:
         shares: list[Any] = [None] * world
         torch.distributed.all_gather_object(shares, mine)
-        mine = np.concatenate(shares)
-    return compute_metrics(kind, mine, data.label)
+        mine = [row for share in shares for row in share]
+    return task_kind.dev_metrics(kind, mine, data)
 
 
 def train_step(model, batch, sift_lambda: float | None) -> tuple[torch.Tensor, float]:

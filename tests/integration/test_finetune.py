@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from deberta import checkpoint
-from deberta.model import DebertaForSequenceClassification
+from deberta.heads import DebertaForSequenceClassification
 from core.artifacts import Artifact
 from core.config import FinetuneConfig
 from pipeline.presets import GRID_1_5B, GRID_BASE, GRID_LARGE, PRESETS
@@ -34,6 +34,7 @@ from stages.finetune import sweep as ft_sweep
 from stages.finetune import trial as ft_trial
 from core.errors import StageInputError
 from stages.base import StageContext
+from stages.finetune.kinds import sequence
 from stages.finetune.tasks import resolve_task
 from core.tokenizer import Tokenizer
 from tests.integration.mlflow_serve import serve_once
@@ -172,7 +173,7 @@ def test_sweep_beats_baseline_and_registers_champion(tiny_pretrained, ray_local,
     clf = DebertaForSequenceClassification(checkpoint.load_config(out / "model"), saved["num_labels"], 0.0)
     clf.load_state_dict(torch.load(out / "model" / "model.pt", weights_only=True))
     tok = Tokenizer.load(out / "model" / "tokenizer")
-    dev = ft_data.encode_split(tok, task.dev, SEQ)
+    dev = sequence.encode_split(tok, task.dev, SEQ)
     assert ft_trial.evaluate(clf, dev, task.kind, "cpu")["accuracy"] == pytest.approx(best, abs=1e-6)
 
     # the registry: champion alias with lineage tags; every trial a nested run with per-epoch metrics
@@ -308,7 +309,7 @@ def test_sift_changes_the_loss_and_still_trains(tiny_pretrained, task_name):
     task = resolve_task(task_name)
     tok = Tokenizer.load(pre.path / "tokenizer")
     cfg = FinetuneConfig(max_seq_len=SEQ, max_train_examples=512, sift=True)
-    train, _ = ft_data.prepare_data(task, tok, cfg)
+    train, _ = ft_data.prepare_data(task, pre.path / "tokenizer", cfg)
     model_cfg = checkpoint.load_config(pre.path / "model")
     weights = ft_data.backbone_weights(pre.path / "model")
     torch.manual_seed(0)

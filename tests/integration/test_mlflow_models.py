@@ -22,7 +22,8 @@ import torch
 
 from deberta import hf
 from deberta.config import debug
-from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification, DebertaModel
+from deberta.heads import DebertaForSequenceClassification
+from deberta.model import DebertaForMaskedLM, DebertaModel
 from core.config import VocabConfig
 from core.lineage import EXPERIMENT_KIND, TAG_EXPERIMENT_KIND, Lineage
 from core.tokenizer import MODEL_FILE, SPECIAL_FILE, Tokenizer

@@ -543,7 +543,7 @@ def test_albert_options_train_and_fine_tune(ray_cluster_2_nodes, tokens, model_c
     import torch
 
     from deberta import checkpoint
-    from deberta.model import DebertaForSequenceClassification
+    from deberta.heads import DebertaForSequenceClassification
     from core.tokenizer import Tokenizer
     from stages.finetune import data as ft_data
     from stages.finetune import trial as ft_trial

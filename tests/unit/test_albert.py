@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from deberta.config import DebertaConfig, debug
 from deberta.flops import forward_flops_per_token, reachable_rows, rtd_forward_flops_per_token, train_flops_per_token
-from deberta.model import (DebertaForMaskedLM, DebertaForSequenceClassification, DebertaModel, init_weights, num_parameters,
-                           unshared_state_dict)
+from deberta.heads import DebertaForSequenceClassification
+from deberta.model import DebertaForMaskedLM, DebertaModel, init_weights, num_parameters, unshared_state_dict
 from deberta.rtd import RTDPretrainer
 
 TOL = 1e-5

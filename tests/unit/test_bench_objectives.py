@@ -8,7 +8,7 @@ import torch
 
 from bench import objectives as bench
 from deberta.config import debug
-from deberta.model import DebertaForSequenceClassification
+from deberta.heads import DebertaForSequenceClassification
 from deberta.rtd import RTDPretrainer
 
 CFG = debug(num_hidden_layers=2)

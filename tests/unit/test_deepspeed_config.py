@@ -12,7 +12,8 @@ import torch
 from training.deepspeed_config import build_deepspeed_config
 from deberta import checkpoint
 from deberta.config import debug
-from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification
+from deberta.heads import DebertaForSequenceClassification
+from deberta.model import DebertaForMaskedLM
 from core.config import PretrainConfig
 from pipeline.presets import deberta_1_5b
 from core.errors import StageInputError

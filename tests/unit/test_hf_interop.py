@@ -16,7 +16,8 @@ import transformers as tf
 
 from deberta import hf
 from deberta.config import DebertaConfig, debug
-from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification, DebertaModel, num_parameters
+from deberta.heads import DebertaForSequenceClassification
+from deberta.model import DebertaForMaskedLM, DebertaModel, num_parameters
 from core.config import VocabConfig
 from pipeline.presets import PRESETS
 from core.tokenizer import MODEL_FILE, SPECIAL_FILE, Tokenizer

@@ -13,7 +13,8 @@ from deberta.attention import log_bucket_position, relative_index
 from deberta.config import DebertaConfig, debug, padded_vocab_size
 from pipeline.presets import MODEL_1_5B, MODEL_BASE, MODEL_LARGE
 from deberta.flops import forward_flops_per_token, reachable_rows, train_flops_per_token
-from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification, DebertaModel, num_parameters
+from deberta.heads import DebertaForSequenceClassification
+from deberta.model import DebertaForMaskedLM, DebertaModel, num_parameters
 
 CONFIGS = {
     "1.5b-like": debug(),

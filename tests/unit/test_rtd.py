@@ -15,7 +15,8 @@ import torch
 from deberta import checkpoint
 from deberta.config import debug
 from deberta.flops import forward_flops_per_token, rtd_train_flops_per_token
-from deberta.model import DebertaForMaskedLM, DebertaForSequenceClassification, DebertaModel
+from deberta.heads import DebertaForSequenceClassification
+from deberta.model import DebertaForMaskedLM, DebertaModel
 from deberta.rtd import (RTDPretrainer, discriminator_weights, generator_config, rtd_init_weights,
                          sample_replacements)
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from deberta.config import debug
-from deberta.model import DebertaForSequenceClassification
+from deberta.heads import DebertaForSequenceClassification
 from deberta.sift import (
     adversarial_delta,
     ascent_step,

@@ -10,8 +10,8 @@ import pytest
 from scipy import stats
 
 from core.errors import StageInputError
-from stages.finetune.tasks import (accuracy, compute_metrics, f1, majority_baseline, matthews_corr, pearson, rankdata,
-                          resolve_task, spearman)
+from stages.finetune.kinds.sequence import accuracy, compute_metrics, f1, matthews_corr, pearson, rankdata, spearman
+from stages.finetune.tasks import majority_baseline, resolve_task
 
 # ----------------------------------------------------------------------------------------------- metrics
 
@@ -141,7 +141,7 @@ def test_glue_jsonl_regression_and_stated_kind(tmp_path):
     ({"train.jsonl": '{"sentence1": "a", "label": "pos"}\n', "dev.jsonl": '{"sentence1": "b", "label": 0.5}\n'},
      r"labels of mixed type: 'pos' in train.jsonl is text but 0.5 in dev.jsonl is a number"),
     ({"train.tsv": "sentence1\tlabel\na\t1\n", "dev.tsv": "sentence1\tlabel\n"},
-     r"the dev split is empty .*add labelled rows to the dev file"),
+     r"the dev split is empty .*add labelled examples to the dev file"),
     ({"train.tsv": "sentence1\tlabel\na\t1\n"}, r"has no dev.tsv or dev.jsonl"),
     ({"train.tsv": "sentence1\tlabel\na\tx\n", "dev.tsv": "sentence1\tlabel\nb\ty\n",
       "task.json": '{"kind": "regression"}'}, r"task.json says regression but labels are text"),

@@ -1,0 +1,183 @@
+"""What a fine-tuning task kind supplies; the sweep, the Table 9 grid, seeds, SiFT, ZeRO trials, the registry and the
+lineage are shared (`stages.finetune`).
+
+A kind owns one shape of task: its input format (the files of a task directory), its features (how examples
+become token arrays), its head (`deberta.heads`), its loss (the head's), its dev metrics, its baseline, and what its
+registered model reads and answers (`core/hf_pyfunc.py`). The kinds are `sequence.py` (one label or score per
+text or pair), `token.py` (a label per word: NER) and `span.py` (extractive question answering); a new kind is one
+more file like them plus its line in `kinds/__init__.py`.
+
+This module and the kinds' top levels stay torch-free: the driver resolves the task before Ray starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from core.errors import StageInputError
+
+if TYPE_CHECKING:
+    import torch
+
+    from core.config import FinetuneConfig
+
+
+@dataclass(frozen=True)
+class TaskRef:
+    """A resolved task: what the runner fingerprints (`id`) and the finetune stage trains on."""
+
+    name: str
+    """Short name: the built-in's, or the directory's (used in the registered model's name)."""
+    kind: str
+    """The problem: "classification" or "regression" (the sequence kind's two), "token" or "span"."""
+    metric: str
+    """Dev metric that selects the model (one of the kind's `metrics`)."""
+    labels: tuple[str, ...]
+    """Class or tag names, index = class id (empty for regression and span)."""
+    train: Any
+    """The kind's split type (`sequence.Split`, `token.TokenSplit`, `span.SpanSplit`)."""
+    dev: Any
+    source: str
+    """Where the data came from (a path), for the lineage record."""
+    id: str = ""
+    """Fingerprint of name, kind, metric, labels, options and every example: equal data, equal id."""
+    options: tuple[tuple[str, Any], ...] = ()
+    """Kind-specific settings read with the data (e.g. the tag scheme, the SQuAD version), as (key, value)."""
+
+    @property
+    def num_labels(self) -> int:
+        """Outputs of the task head: the class count, 1 for regression, 2 (start, end) for a span."""
+        return 1 if self.kind == "regression" else 2 if self.kind == "span" else len(self.labels)
+
+    def option(self, key: str, default: Any = None) -> Any:
+        return dict(self.options).get(key, default)
+
+
+def make_task(name: str, kind: str, metric: str, labels: Sequence[str], train: Any, dev: Any, source: str,
+              allowed_metrics: Sequence[str], options: dict[str, Any] | None = None) -> TaskRef:
+    """A TaskRef with its fingerprint, after the checks every kind shares (non-empty splits, a known metric)."""
+    if len(train) == 0:
+        raise StageInputError(f"task {name!r}: the train split is empty ({source}); add labelled examples to it")
+    if len(dev) == 0:
+        raise StageInputError(f"task {name!r}: the dev split is empty ({source}); model selection needs dev "
+                              f"examples - add labelled examples to the dev file")
+    if metric not in allowed_metrics:
+        raise StageInputError(f"task {name!r}: metric {metric!r} does not fit a {kind} task; use one of "
+                              f"{tuple(allowed_metrics)}")
+    opts = tuple(sorted((options or {}).items()))
+    h = hashlib.sha256(json.dumps([name, kind, metric, list(labels), opts]).encode())
+    for split in (train, dev):
+        h.update(json.dumps(dataclasses.astuple(split)).encode())
+    return TaskRef(name, kind, metric, tuple(labels), train, dev, source, h.hexdigest()[:16], opts)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A tokenised split: [CLS] ... [SEP] rows right-padded with [PAD]=0, and their training targets.
+
+    label: (N,) class id or score (sequence), (N, T) class id per position with IGNORE_INDEX where none is
+    trained (token), or (N, 2) answer start and end positions (span). meta: what the kind's dev metrics need to
+    map row outputs back to examples (word positions, character offsets, gold answers); None for sequences.
+    """
+
+    ids: np.ndarray  # (N, T) int32
+    label: np.ndarray
+    meta: Any = None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def take(self, rows: np.ndarray) -> "Encoded":
+        """The rows `rows` (train subsampling; meta describes the whole split and is dropped)."""
+        return Encoded(self.ids[rows], self.label[rows], None)
+
+
+class TaskKind:
+    """The base every kind extends. Methods raise StageInputError for what a user can fix."""
+
+    name = ""
+    """"sequence", "token" or "span": the head it trains (`deberta.heads.build_head`)."""
+    problems: tuple[str, ...] = ()
+    """The `TaskRef.kind` values it serves."""
+    metrics: tuple[str, ...] = ()
+    """Dev metrics a task of this kind may select on; the first is the default."""
+    pyfunc_task = ""
+    """What the registered MLflow Model does (`core/hf_pyfunc.py`)."""
+
+    def claims(self, path: Path, meta: dict[str, Any]) -> bool:
+        """Whether the task directory `path` (with its task.json `meta`) holds this kind's files."""
+        raise NotImplementedError
+
+    def read_dir(self, path: Path, meta: dict[str, Any]) -> TaskRef:
+        """The task in directory `path`: train and dev split, checked."""
+        raise NotImplementedError
+
+    def encode(self, task: TaskRef, split: Any, tok_dir: Path, cfg: "FinetuneConfig") -> Encoded:
+        """Examples -> token rows (and the targets of the kind's loss); tok_dir: the vocabulary (spm.model +
+        special_tokens.json) of the checkpoint being fine-tuned."""
+        raise NotImplementedError
+
+    def row_outputs(self, logits: "torch.Tensor", mask: "torch.Tensor") -> list[np.ndarray]:
+        """The head's logits of one batch -> what the dev metrics read per row (small: ids or scores)."""
+        raise NotImplementedError
+
+    def dev_metrics(self, task_kind: str, outputs: list[np.ndarray], dev: Encoded) -> dict[str, float]:
+        """Every metric of the kind from the dev rows' outputs (in row order)."""
+        raise NotImplementedError
+
+    def baseline(self, task: TaskRef) -> tuple[float, str]:
+        """(selection metric on dev, what it is) of the rule a practitioner tries first."""
+        raise NotImplementedError
+
+    def export_config(self, task: TaskRef, head: dict[str, Any]) -> dict[str, Any]:
+        """Extra fields of the HF export's config.json that its MLflow Model reads (e.g. a no-answer threshold)."""
+        return {}
+
+    def input_example(self, task: TaskRef) -> dict[str, list[str]]:
+        """Two dev inputs as the registered model's DataFrame columns."""
+        raise NotImplementedError
+
+
+def read_task_json(path: Path) -> dict[str, Any]:
+    """task.json of a task directory ({} without one), with a clear error for a file that does not parse."""
+    meta_file = path / "task.json"
+    if not meta_file.is_file():
+        return {}
+    try:
+        meta = json.loads(meta_file.read_text())
+    except json.JSONDecodeError as e:
+        raise StageInputError(f"{meta_file} line {e.lineno} is not JSON ({e.msg}); fix the file") from None
+    if not isinstance(meta, dict):
+        raise StageInputError(f"{meta_file} must hold one JSON object, e.g. {{\"kind\": \"token\"}}")
+    return meta
+
+
+def split_file(path: Path, split: str, suffixes: Sequence[str]) -> Path | None:
+    """The first of path/<split><suffix> that exists."""
+    return next((path / f"{split}{s}" for s in suffixes if (path / f"{split}{s}").is_file()), None)
+
+
+def task_name(path: Path, meta: dict[str, Any]) -> str:
+    import re
+
+    return meta.get("name") or re.sub(r"[^A-Za-z0-9_.-]+", "-", path.name).strip("-").lower() or "task"
+
+
+def first_record_keys(path: Path) -> set[str]:
+    """The keys of the first JSON object of a JSONL file (empty when it has none or does not parse)."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    return set()
+                return set(record) if isinstance(record, dict) else set()
+    return set()

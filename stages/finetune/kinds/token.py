@@ -1,0 +1,286 @@
+"""The token kind: a label per word (named entities, PII, chunks; CoNLL-2003 NER in DeBERTa §5.2, Table 3).
+
+Format (a task directory): `train` and `dev` files, either
+* CoNLL columns (`.conll` or `.txt`): one word per line, the word first and tags in the other columns, a blank
+  line between sentences, `-DOCSTART-` lines skipped. The tag column is the last one unless task.json names it:
+  {"kind": "token", "tag_column": 3} (0-based, as CoNLL-2003's word POS chunk NER);
+* JSONL: one sentence per line, {"tokens": [...], "tags": [...]} (tags as names, or as ids with task.json
+  {"labels": [...]}, as datasets' conll2003 `ner_tags`; task.json "tag_field" names another field).
+Tags follow IOB1, IOB2 or BIOES; the scheme is inferred from the tags (or stated: task.json "scheme") and said.
+
+Features: the words through the export's fast tokenizer (`deberta.hf.build_tokenizer`, the same one the
+registered model reads raw text with), each word's label on its first piece and IGNORE_INDEX on the rest ([CLS],
+[SEP], later pieces: the standard alignment, as BERT §5.3). A sentence longer than `max_seq_len` is cut into
+windows overlapping by `doc_stride` pieces; each word is predicted from the window where it has the most context
+on both sides (BERT's "max context" rule for SQuAD windows), so windows merge back into one tag per word.
+Metrics: entity precision/recall/F1 as seqeval computes them (`entities.py`) and token accuracy over words.
+Baseline: each dev word's most frequent train tag (unseen words: the most frequent tag), as entity F1.
+The registered model reads `text` and answers `entities`: [{entity_group, word, start, end, score}] with
+character offsets into the text (transformers' token-classification pipeline, aggregation "first").
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from core.errors import StageInputError
+from stages.finetune.kinds.base import (Encoded, TaskKind, TaskRef, first_record_keys, make_task, split_file,
+                                        task_name)
+
+if TYPE_CHECKING:
+    import torch
+
+    from core.config import FinetuneConfig
+
+IGNORE_INDEX = -100  # deberta.model.IGNORE_INDEX, without importing torch here
+CONLL_SUFFIXES = (".conll", ".txt")
+METRICS = ("f1", "precision", "recall", "accuracy")
+
+
+@dataclass(frozen=True)
+class TokenSplit:
+    """Sentences as words with one tag id per word."""
+
+    words: tuple[tuple[str, ...], ...]
+    tags: tuple[tuple[int, ...], ...]
+
+    def __len__(self) -> int:
+        return len(self.words)
+
+
+# ----------------------------------------------------------------------------------------------- reading
+
+def read_conll(path: Path, tag_column: int | None) -> list[tuple[list[str], list[str]]]:
+    """(words, tag names) per sentence of a CoNLL column file."""
+    sentences, words, tags, width = [], [], [], None
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        cells = line.split()
+        if not cells or cells[0] == "-DOCSTART-":
+            if words:
+                sentences.append((words, tags))
+            words, tags = [], []
+            continue
+        width = width or len(cells)
+        if len(cells) != width or len(cells) < 2:
+            raise StageInputError(f"{path} line {n} has {len(cells)} columns, the file's first word line has "
+                                  f"{width}; every word line needs the word and the same tag columns "
+                                  f"(whitespace-separated, a blank line between sentences)")
+        column = width - 1 if tag_column is None else tag_column
+        if not -width < column < width or column == 0:
+            raise StageInputError(f"task.json tag_column={tag_column} does not name a tag column of {path} "
+                                  f"({width} columns, the word is column 0)")
+        words.append(cells[0])
+        tags.append(cells[column])
+    if words:
+        sentences.append((words, tags))
+    return sentences
+
+
+def read_jsonl(path: Path, tag_field: str | None, labels: Sequence[str] | None) -> list[tuple[list[str], list[str]]]:
+    """(words, tag names) per line of {"tokens": [...], "tags": [...]}."""
+    sentences = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise StageInputError(f"{path} line {n} is not JSON ({e.msg}); one sentence object per line") from None
+        field = tag_field or next((f for f in ("tags", "ner_tags") if f in record), "tags")
+        if "tokens" not in record or field not in record:
+            raise StageInputError(f"{path} line {n} lacks 'tokens' or '{field}' (keys: {sorted(record)}); token "
+                                  f"tasks need {{\"tokens\": [...], \"tags\": [...]}}")
+        words, tags = [str(w) for w in record["tokens"]], list(record[field])
+        if len(words) != len(tags):
+            raise StageInputError(f"{path} line {n} has {len(words)} tokens but {len(tags)} tags; give one tag "
+                                  f"per token")
+        if any(isinstance(t, int) for t in tags):
+            if not labels or not all(isinstance(t, int) and 0 <= t < len(labels) for t in tags):
+                raise StageInputError(f"{path} line {n} has tag ids {tags[:5]}...; name them with task.json "
+                                      f"{{\"labels\": [\"O\", \"B-PER\", ...]}} (index = id)")
+            tags = [labels[t] for t in tags]
+        if words:
+            sentences.append((words, [str(t) for t in tags]))
+    return sentences
+
+
+def _label_order(tags: set[str]) -> tuple[str, ...]:
+    """O first, then by entity type and prefix (B, I, E, S): a stable order for the head's outputs."""
+    rank = {"B": 0, "I": 1, "E": 2, "S": 3}
+    return tuple(sorted(tags, key=lambda t: (t != "O", t[2:], rank.get(t[:1], 9), t)))
+
+
+def token_task(name: str, sentences: dict[str, list[tuple[list[str], list[str]]]], source: str,
+               meta: dict[str, Any], files: dict[str, Path] | None = None) -> TaskRef:
+    """Check the tags (one scheme across both splits) and build the TaskRef."""
+    from stages.finetune.kinds import entities
+
+    all_tags = [tags for split in sentences.values() for _, tags in split]
+    stated = meta.get("scheme")
+    try:
+        scheme, note = entities.infer_scheme(all_tags, stated)
+    except ValueError as e:
+        where = " and ".join(str(f) for f in (files or {}).values()) or source
+        raise StageInputError(f"{where}: {e}") from None
+    print(f"[finetune] {name}: tags follow {scheme}" + (f" ({note})" if note else ""), flush=True)
+    labels = _label_order({t for tags in all_tags for t in tags})
+    index = {t: i for i, t in enumerate(labels)}
+    splits = {s: TokenSplit(tuple(tuple(w) for w, _ in rows), tuple(tuple(index[t] for t in tags) for _, tags in rows))
+              for s, rows in sentences.items()}
+    return make_task(name, "token", meta.get("metric", "f1"), labels, splits["train"], splits["dev"], source,
+                     METRICS, {"scheme": scheme})
+
+
+# ----------------------------------------------------------------------------------------------- built-ins
+
+BUILTINS: dict[str, Any] = {}
+"""Built-in token tasks (name -> reader); filled below from package wheels."""
+
+
+# ----------------------------------------------------------------------------------------------- features
+
+def check_stride(cfg: "FinetuneConfig", room: int) -> None:
+    """Windows must advance: the overlap `doc_stride` below the `room` a window has for text."""
+    if cfg.doc_stride >= room:
+        raise StageInputError(f"finetune.doc_stride={cfg.doc_stride} leaves windows of max_seq_len={cfg.max_seq_len} "
+                              f"no room to advance ({room} pieces of text each); use doc_stride < {room}")
+
+
+def fast_tokenizer(tok_dir: Path, max_len: int):
+    """The export's tokenizer: what the registered model reads raw text with, so features match serving."""
+    from deberta import hf
+
+    return hf.build_tokenizer(tok_dir, max_len)
+
+
+def encode_words(fast, words: Sequence[Sequence[str]], max_len: int, stride: int):
+    """Windows of [CLS] pieces [SEP] over each sentence's words: (ids (N, T), word index per position (N, T) -1
+    where none, sentence of each row (N,))."""
+    enc = fast([list(w) for w in words], is_split_into_words=True, truncation=True, max_length=max_len,
+               stride=stride, return_overflowing_tokens=True, padding="max_length")
+    ids = np.asarray(enc["input_ids"], dtype=np.int32)  # (N, T)
+    word_ids = np.asarray([[-1 if w is None else w for w in enc.word_ids(i)] for i in range(len(ids))],
+                          dtype=np.int32)  # (N, T)
+    return ids, word_ids, np.asarray(enc["overflow_to_sample_mapping"], dtype=np.int64)
+
+
+def first_pieces(word_ids: np.ndarray) -> np.ndarray:
+    """(N, T) bool: the positions holding a word's first piece within its row."""
+    prev = np.concatenate([np.full((len(word_ids), 1), -1, np.int32), word_ids[:, :-1]], axis=1)
+    return (word_ids >= 0) & (word_ids != prev)
+
+
+def max_context(word_ids: np.ndarray) -> np.ndarray:
+    """(N, T) context score of each position: min(pieces to its left, pieces to its right) within the row's text
+    (BERT's `_check_is_max_context`, plus a 0.01 tie-break for the longer window)."""
+    inside = word_ids >= 0
+    left = np.cumsum(inside, axis=1) - 1
+    right = inside.sum(1, keepdims=True) - 1 - left
+    return np.where(inside, np.minimum(left, right) + 0.01 * inside.sum(1, keepdims=True), -1.0)
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """What the dev metrics need to merge row predictions back into one tag per word."""
+
+    sentence: np.ndarray  # (N,) the sentence of each row
+    word_ids: np.ndarray  # (N, T) word index of each position, -1 for none
+    gold: tuple[tuple[int, ...], ...]  # tag ids per word per sentence
+    labels: tuple[str, ...]
+    scheme: str
+
+
+class TokenKind(TaskKind):
+    name = "token"
+    problems = ("token",)
+    metrics = METRICS
+    pyfunc_task = "token-classification"
+
+    def claims(self, path: Path, meta: dict[str, Any]) -> bool:
+        if split_file(path, "train", CONLL_SUFFIXES) is not None:
+            return True
+        train = split_file(path, "train", (".jsonl",))
+        return train is not None and "tokens" in first_record_keys(train)
+
+    def read_dir(self, path: Path, meta: dict[str, Any]) -> TaskRef:
+        files, sentences = {}, {}
+        for split in ("train", "dev"):
+            f = split_file(path, split, (*CONLL_SUFFIXES, ".jsonl"))
+            if f is None:
+                raise StageInputError(f"token task directory {path} has no {split}.conll, {split}.txt or "
+                                      f"{split}.jsonl")
+            files[split] = f
+            sentences[split] = (read_jsonl(f, meta.get("tag_field"), meta.get("labels")) if f.suffix == ".jsonl"
+                                else read_conll(f, meta.get("tag_column")))
+            if not sentences[split]:
+                raise StageInputError(f"{f} holds no sentences; a token task needs labelled words in {split}")
+        return token_task(task_name(path, meta), sentences, str(path), meta, files)
+
+    def encode(self, task: TaskRef, split: TokenSplit, tok_dir: Path, cfg: "FinetuneConfig") -> Encoded:
+        check_stride(cfg, cfg.max_seq_len - 2)
+        fast = fast_tokenizer(tok_dir, cfg.max_seq_len)
+        ids, word_ids, sentence = encode_words(fast, split.words, cfg.max_seq_len, cfg.doc_stride)
+        tags = [np.asarray(split.tags[s], dtype=np.int64) for s in sentence]
+        label = np.full(ids.shape, IGNORE_INDEX, dtype=np.int64)  # (N, T)
+        first = first_pieces(word_ids)
+        for r, row_tags in enumerate(tags):
+            label[r, first[r]] = row_tags[word_ids[r, first[r]]]
+        return Encoded(ids, label, TokenRows(sentence, word_ids, split.tags, task.labels, task.option("scheme")))
+
+    def row_outputs(self, logits: "torch.Tensor", mask: "torch.Tensor") -> list[np.ndarray]:
+        return list(logits.argmax(-1).short().cpu().numpy())  # (B, T') tag ids
+
+    def merge(self, outputs: list[np.ndarray], rows: TokenRows) -> list[list[int]]:
+        """One predicted tag per word: from the row where the word's first piece has the most context."""
+        pred = [[0] * len(g) for g in rows.gold]
+        best = [[-2.0] * len(g) for g in rows.gold]
+        first, context = first_pieces(rows.word_ids), max_context(rows.word_ids)
+        for r, out in enumerate(outputs):
+            s = rows.sentence[r]
+            for p in np.flatnonzero(first[r][:len(out)]):
+                w = rows.word_ids[r, p]
+                if context[r, p] > best[s][w]:
+                    best[s][w], pred[s][w] = context[r, p], int(out[p])
+        return pred
+
+    def dev_metrics(self, task_kind: str, outputs: list[np.ndarray], dev: Encoded) -> dict[str, float]:
+        rows: TokenRows = dev.meta
+        pred = self.merge(outputs, rows)
+        return tag_metrics([list(g) for g in rows.gold], pred, rows.labels, rows.scheme)
+
+    def baseline(self, task: TaskRef) -> tuple[float, str]:
+        counts: dict[str, Counter] = {}
+        for words, tags in zip(task.train.words, task.train.tags):
+            for w, t in zip(words, tags):
+                counts.setdefault(w, Counter())[t] += 1
+        overall = Counter(t for tags in task.train.tags for t in tags).most_common(1)[0][0]
+        pred = [[counts[w].most_common(1)[0][0] if w in counts else overall for w in words]
+                for words in task.dev.words]
+        gold = [list(t) for t in task.dev.tags]
+        score = tag_metrics(gold, pred, task.labels, task.option("scheme"))[task.metric]
+        return score, "most frequent train tag per word"
+
+    def input_example(self, task: TaskRef) -> dict[str, list[str]]:
+        return {"text": [" ".join(words) for words in task.dev.words[:2]]}
+
+
+def tag_metrics(gold: list[list[int]], pred: list[list[int]], labels: Sequence[str], scheme: str) -> dict[str, float]:
+    """Entity precision/recall/F1 (seqeval's, `entities.py`) and word accuracy, from tag ids per word."""
+    from stages.finetune.kinds import entities
+
+    gold_tags = [[labels[t] for t in s] for s in gold]
+    pred_tags = [[labels[t] for t in s] for s in pred]
+    scores = entities.entity_scores(gold_tags, pred_tags, scheme)
+    words = sum(len(s) for s in gold)
+    right = sum(int(g == p) for gs, ps in zip(gold, pred) for g, p in zip(gs, ps))
+    return {"f1": float(scores["f1"]), "precision": float(scores["precision"]), "recall": float(scores["recall"]),
+            "accuracy": right / max(1, words)}
+
+
+KIND = TokenKind()
