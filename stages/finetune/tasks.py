@@ -1,7 +1,7 @@
 """Fine-tuning tasks: a built-in name or a task directory -> `TaskRef`, read by the kind whose files it holds.
 
 Built-ins (real text from package wheels, nothing downloaded at run time): `rotten-tomatoes` and `lee-sts`
-(`kinds/sequence.py`), `BUILTIN_TOKEN` (`kinds/token.py`). A directory names its kind in `task.json`
+(`kinds/sequence.py`), `wnut16-ner` (`kinds/token.py`). A directory names its kind in `task.json`
 ({"kind": "classification" | "regression" | "token" | "span", ...}) or by its files: `train.tsv`/`train.jsonl`
 with a `label` column (sequence), `train.conll` or `train.jsonl` with `tokens`/`tags` (token), `train.json` in
 SQuAD's layout (span). Each kind's module describes its format.

@@ -145,6 +145,20 @@ class TaskKind:
         raise NotImplementedError
 
 
+def check_stride(cfg: "FinetuneConfig", room: int) -> None:
+    """Windows must advance: the overlap `doc_stride` below the `room` a window has for text."""
+    if cfg.doc_stride >= room:
+        raise StageInputError(f"finetune.doc_stride={cfg.doc_stride} leaves windows of max_seq_len={cfg.max_seq_len} "
+                              f"no room to advance ({room} pieces of text each); use doc_stride < {room}")
+
+
+def fast_tokenizer(tok_dir: Path, max_len: int):
+    """The export's tokenizer: what the registered model reads raw text with, so features match serving."""
+    from deberta import hf
+
+    return hf.build_tokenizer(tok_dir, max_len)
+
+
 def read_task_json(path: Path) -> dict[str, Any]:
     """task.json of a task directory ({} without one), with a clear error for a file that does not parse."""
     meta_file = path / "task.json"

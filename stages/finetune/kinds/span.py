@@ -31,7 +31,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from core.errors import StageInputError
-from stages.finetune.kinds.base import Encoded, TaskKind, TaskRef, make_task, split_file, task_name
+from stages.finetune.kinds.base import (Encoded, TaskKind, TaskRef, check_stride, fast_tokenizer, make_task, split_file,
+                                        task_name)
+from stages.finetune.kinds.squad_eval import exact_match, f1, find_best_thresh, get_raw_scores
 
 if TYPE_CHECKING:
     import torch
@@ -142,7 +144,7 @@ def encode_questions(fast, questions: tuple[QA, ...], max_len: int, stride: int)
     q_budget = question_budget(max_len)
     texts = []
     for qa in questions:
-        enc = fast(qa.question, add_special_tokens=False, return_offsets_mapping=True)
+        enc = fast(qa.question, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
         offs = enc["offset_mapping"]
         texts.append(qa.question if len(offs) <= q_budget else qa.question[:offs[q_budget - 1][1]])
     enc = fast(texts, [qa.context for qa in questions], truncation="only_second", max_length=max_len,
@@ -185,6 +187,13 @@ def best_span(start: np.ndarray, end: np.ndarray, offsets: np.ndarray, max_answe
     return best
 
 
+def answer_chars(context: str, start: int, end: int) -> tuple[int, int]:
+    """A span's characters without the whitespace a piece's offsets may include (SentencePiece's word marker)."""
+    while start < end and context[start].isspace():
+        start += 1
+    return start, end
+
+
 def predict(outputs: list[np.ndarray], rows: SpanRows) -> tuple[dict[int, str], dict[int, float]]:
     """Per question: the best span's text, and the no-answer score minus the best span's (higher: no answer)."""
     texts: dict[int, str] = {}
@@ -196,7 +205,8 @@ def predict(outputs: list[np.ndarray], rows: SpanRows) -> tuple[dict[int, str], 
         found = best_span(out[0], out[1], rows.offsets[r, :out.shape[1]], rows.max_answer_len)
         if found is not None and found[0] > best.get(q, -np.inf):
             best[q] = found[0]
-            texts[q] = rows.contexts[q][rows.offsets[r, found[1], 0]:rows.offsets[r, found[2], 1]]
+            start, end = answer_chars(rows.contexts[q], rows.offsets[r, found[1], 0], rows.offsets[r, found[2], 1])
+            texts[q] = rows.contexts[q][start:end]
     diff = {q: null[q] - best.get(q, -np.inf) for q in null}
     return texts, diff
 
@@ -220,8 +230,6 @@ class SpanKind(TaskKind):
         return squad_task(task_name(path, meta), files, meta)
 
     def encode(self, task: TaskRef, split: SpanSplit, tok_dir: Path, cfg: "FinetuneConfig") -> Encoded:
-        from stages.finetune.kinds.token import check_stride, fast_tokenizer
-
         check_stride(cfg, cfg.max_seq_len - question_budget(cfg.max_seq_len) - 3)
         fast = fast_tokenizer(tok_dir, cfg.max_seq_len)
         ids, offsets, question = encode_questions(fast, split.questions, cfg.max_seq_len, cfg.doc_stride)
@@ -266,19 +274,16 @@ def answer_metrics(golds: tuple[tuple[str, ...], ...], texts: dict[int, str], di
                    version: str) -> dict[str, float]:
     """EM and F1 (the official scripts'); for v2.0 at the no-answer threshold that maximises F1 on these
     questions (the v2.0 script's best threshold), with HasAns/NoAns at it and the threshold itself."""
-    from stages.finetune.kinds import squad_eval
-
     preds = {q: texts.get(q, "") for q in range(len(golds))}
     if version != "2.0":
-        exact = [max(squad_eval.compute_exact(g, preds[q]) for g in golds[q]) for q in preds]
-        f1 = [max(squad_eval.compute_f1(g, preds[q]) for g in golds[q]) for q in preds]
-        return {"exact": 100.0 * float(np.mean(exact)), "f1": 100.0 * float(np.mean(f1))}
+        return {"exact": 100.0 * float(np.mean([exact_match(preds[q], golds[q]) for q in preds])),
+                "f1": 100.0 * float(np.mean([f1(preds[q], golds[q]) for q in preds]))}
     has_ans = {q: bool(golds[q]) for q in preds}
-    exact_raw, f1_raw = squad_eval.get_raw_scores({q: list(golds[q]) for q in preds}, preds)
+    exact_raw, f1_raw = get_raw_scores({q: list(golds[q]) for q in preds}, preds)
     na = {q: diff.get(q, np.inf) for q in preds}
-    _, thresh = squad_eval.find_best_thresh(preds, f1_raw, na, has_ans)
+    _, thresh = find_best_thresh(preds, f1_raw, na, has_ans)
     final = {q: "" if na[q] > thresh else preds[q] for q in preds}
-    exact_t, f1_t = squad_eval.get_raw_scores({q: list(golds[q]) for q in preds}, final)
+    exact_t, f1_t = get_raw_scores({q: list(golds[q]) for q in preds}, final)
     out = {"exact": 100.0 * float(np.mean(list(exact_t.values()))), "f1": 100.0 * float(np.mean(list(f1_t.values()))),
            "null_threshold": float(thresh)}
     for name, keep in (("HasAns", True), ("NoAns", False)):

