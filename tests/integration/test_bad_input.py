@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import pipeline_main
+
 REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.ray]
@@ -23,13 +25,17 @@ pytestmark = [pytest.mark.ray]
 ], ids=["missing-corpus", "cluster-too-small", "dry-run"])
 def test_a_refused_run_leaves_nothing(args, fragment, tmp_path, mlflow_server):
     """A fresh workdir: the corpus is checked before anything is created; the cluster (checked once Ray is up)
-    before any MLflow run exists, and what the run had created (the workdir, its store) is removed with the refusal."""
+    before any MLflow run exists, and what the run had created (the workdir, its store) is removed with the refusal.
+    The run that starts Ray runs as its own process; the others stop before Ray and run in this one."""
     hf = _hf_dir(tmp_path) if any("{hf}" in a for a in args) else None
     workdir = tmp_path / "fresh" / "wd"
     before = _runs(mlflow_server)
-    res = subprocess.run([sys.executable, "-m", "pipeline.run", *[a.format(hf=hf) for a in args],
-                          "--workdir", str(workdir)], cwd=REPO, capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, MLFLOW_TRACKING_URI=mlflow_server))
+    argv = [*[a.format(hf=hf) for a in args], "--workdir", str(workdir)]
+    if hf is None:
+        res = pipeline_main(argv, {"MLFLOW_TRACKING_URI": mlflow_server})
+    else:
+        res = subprocess.run([sys.executable, "-m", "pipeline.run", *argv], cwd=REPO, capture_output=True, text=True,
+                             timeout=600, env=dict(os.environ, MLFLOW_TRACKING_URI=mlflow_server))
     if fragment is None:
         assert res.returncode == 0 and "plan:" in res.stdout, res.stderr[-2000:]
     else:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import pipeline_main
+
 REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -96,7 +98,7 @@ def test_core_and_data_stages_never_import_torch(two_runs):
 
 def plan_of(args: list[str]) -> dict[str, tuple[str, str]]:
     """stage -> (artifact id, state) from `--dry-run`."""
-    res = pipeline([*args, "--dry-run"], timeout=300)
+    res = pipeline_main([*args, "--dry-run"])
     assert res.returncode == 0, res.stderr[-2000:]
     rows = re.findall(r"^  (\w+)\s+([0-9a-f]{16})  (.+)$", res.stdout, re.M)
     return {stage: (art, state) for stage, art, state in rows}
@@ -153,7 +155,7 @@ def test_second_invocation_is_a_no_op(two_runs, mlflow_server):
 ])
 def test_bad_input_one_clear_message(args, fragment, tmp_path):
     workdir = ["--workdir", str(tmp_path / "wd")] if "--workdir" not in args else []
-    res = pipeline([*args, *workdir], timeout=120)  # a real run, not --dry-run: it must stop before any stage
+    res = pipeline_main([*args, *workdir])  # a real run, not --dry-run: it must stop before any stage
     assert res.returncode == 2
     lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and fragment in lines[0], res.stderr
@@ -217,8 +219,7 @@ def _tokenizer_too_long(hf_deberta: Path, tmp: Path) -> str:
 def test_bad_finetune_init_is_one_message_before_ray(make, fragment, hf_deberta, tmp_path):
     """A real run (not --dry-run) stops at resolving finetune.init: exit 2, one line, no plan, nothing built."""
     init = make(hf_deberta, tmp_path)
-    res = pipeline(["--set", f"finetune.init={init}", "--workdir", str(tmp_path / "wd")],
-                   {"MLFLOW_TRACKING_URI": ""}, timeout=300)
+    res = pipeline_main(["--set", f"finetune.init={init}", "--workdir", str(tmp_path / "wd")], {"MLFLOW_TRACKING_URI": ""})
     lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
     assert res.returncode == 2 and len(lines) == 1, res.stdout[-2000:] + res.stderr[-2000:]
     assert lines[0].startswith(f"error: finetune.init={init}: ") and fragment in lines[0], lines
@@ -230,7 +231,7 @@ def test_pretrained_is_short_for_finetune_init(hf_deberta, tmp_path):
     with json), and plans what `--set finetune.init=DIR` plans: the finetune stage alone (init is a *how* field: the
     checkpoint's digest is the input). `--pretrained` runs for real in tests/integration/test_finetune.py (a
     directory) and below (a registry version)."""
-    res = pipeline(["--pretrained", str(hf_deberta), "--workdir", str(tmp_path / "wd"), "--dry-run"], timeout=300)
+    res = pipeline_main(["--pretrained", str(hf_deberta), "--workdir", str(tmp_path / "wd"), "--dry-run"])
     assert res.returncode == 0, res.stderr[-2000:]
     resolved = json.loads(res.stdout[res.stdout.index("{"):res.stdout.index("\n}\n") + 2])
     config = json.loads((hf_deberta / "config.json").read_text())
@@ -254,7 +255,7 @@ def test_dry_run_days_are_the_papers_schedule_at_the_stated_throughput(tmp_path)
     content and disentangled attention scores (DeBERTa §3.1; T = 512, R = 512), within 5% (the LM head on the
     15% of targets adds ~2%, the EMD running the last layer only at the targets saves ~1%). The H100's dense bf16
     peak is 989 TFLOP/s (NVIDIA's data sheet); the utilisation is the plan's stated assumption, read from it."""
-    res = pipeline(["--preset", "deberta-1.5b", "--workdir", str(tmp_path / "wd"), "--dry-run"], timeout=300)
+    res = pipeline_main(["--preset", "deberta-1.5b", "--workdir", str(tmp_path / "wd"), "--dry-run"])
     assert res.returncode == 0, res.stderr[-2000:]
     out = res.stdout
     workers = int(re.search(r"= (\d+) workers, ZeRO-", out).group(1))
