@@ -153,12 +153,17 @@ def evaluate(model, data: Encoded, kind: str, device, rank: int = 0, world: int 
 def train_step(model, batch, sift_lambda: float | None) -> tuple[torch.Tensor, float]:
     """Task loss (+ the SiFT term, lambda included, when `sift_lambda`); returns (loss, SiFT term).
 
-    `model` is the classifier or the engine around it (which forwards attribute access to it)."""
+    `model` is the head or the engine around it (which forwards attribute access to it). SiFT's perturbed passes
+    run on the head itself, not through DeepSpeed's engine: under ZeRO-1/2 the engine's forward makes the ascent
+    step's `torch.autograd.grad` run the gradient-reduction epilogue with nothing bucketed (IndexError in
+    `reduce_ipg_grads`, DeepSpeed 0.19.8); their gradients reach the parameters through the engine's backward of
+    the summed loss as any other."""
     ids, mask, labels = batch
     out = model(ids, mask, labels=labels)
     if sift_lambda is None:
         return out["loss"], 0.0
-    adv = sift_loss(model, ids, mask, out["logits"], model.regression, lam=sift_lambda)
+    head = getattr(model, "module", model)
+    adv = sift_loss(head, ids, mask, out["logits"], model.regression, lam=sift_lambda)
     return out["loss"] + adv, float(adv.detach())
 
 

@@ -313,7 +313,8 @@ def test_token_sweep_on_deepspeed_with_sift_registers_a_tagger_of_raw_text(tiny_
     with torch.no_grad():
         ours = model(ids, (ids != 0).long())["logits"]
         theirs = exported(input_ids=ids, attention_mask=(ids != 0).long()).logits
-    assert float((ours - theirs).abs().max()) <= 1e-5
+    real = ids != 0  # padding positions carry no prediction (ours zeroes their embeddings, HF does not)
+    assert float((ours[real] - theirs[real]).abs().max()) <= 1e-5
     # the registry version tags raw text: entities whose offsets slice the text they name
     mlflow.set_tracking_uri(mlflow_server)
     loaded = mlflow.pyfunc.load_model("models:/deberta-debug-wnut-small@champion")

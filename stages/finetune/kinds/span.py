@@ -15,7 +15,7 @@ score is the smallest [CLS] start + end score over the windows, and "no answer" 
 best span by more than a threshold chosen on dev (the official v2.0 script's best threshold).
 Metrics: exact match and F1 as the official SQuAD scripts compute them (`squad_eval.py`), with HasAns/NoAns for
 v2.0. Baseline: the context sentence sharing most words with the question (a sliding-window baseline's simplest
-form; Rajpurkar et al. 2016 §5).
+form; Rajpurkar et al. 2016 §5), for v2.0 or no answer at all, whichever scores better on dev.
 The registered model reads `question` and `context` and answers `answer`, `score`, `start`, `end` (character
 offsets into the context; an empty answer for "no answer").
 """
@@ -254,7 +254,8 @@ class SpanKind(TaskKind):
             sentences = [s for s in re.split(r"(?<=[.!?])\s+", qa.context) if s]
             texts[i] = max(sentences, key=lambda s: len(words & set(_words(s))), default="")
         golds = tuple(tuple(t for t, _ in qa.answers) for qa in task.dev.questions)
-        scores = answer_metrics(golds, texts, {i: -1.0 for i in texts}, "1.1")
+        # v2.0: one no-answer score for all, so the dev threshold picks the better of always and never answering
+        scores = answer_metrics(golds, texts, {i: 0.0 for i in texts}, task.option("version"))
         return scores[task.metric], "the context sentence sharing most words with the question"
 
     def export_config(self, task: TaskRef, head: dict[str, Any]) -> dict[str, Any]:
