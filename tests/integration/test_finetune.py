@@ -395,8 +395,9 @@ def test_deepspeed_trial_of_one_worker_repeats_the_torch_trial(tiny_pretrained, 
 @pytest.mark.slow
 def test_deepspeed_sweep_zero3_two_workers_with_sift(tiny_pretrained, ray_local, mlflow_server, tmp_path, monkeypatch):
     """trainer=deepspeed as the 1.5B preset runs it (ZeRO, SiFT), at 2 workers: each trial a Ray Train run; the
-    weights gathered from the ZeRO-3 shards are the model that scored the reported dev metrics. Gathering and SiFT
-    hold at any size (512 examples, 16 steps of 2 workers); that a trial learns is the plain sweep's test."""
+    weights gathered from the ZeRO-3 shards are the model that scored the reported dev metrics. The size is the
+    smallest at which this trial learns: at 512 or 1,000 examples, or 2,000 for one epoch, its predictions stay one
+    class (mcc 0), and a constant predictor's metrics are matched by any weights that predict that class."""
     from mlflow.tracking import MlflowClient
 
     from core.lineage import Lineage
@@ -407,7 +408,7 @@ def test_deepspeed_sweep_zero3_two_workers_with_sift(tiny_pretrained, ray_local,
     tracker = lineage.stage_run("finetune", "ds-sweep", {"finetune": {}}, {}, cached=False)
     # One trial: choosing among trials is the plain sweep's test; this one is about a trial on ZeRO-3 workers.
     cfg = FinetuneConfig(task="rotten-tomatoes", dropout=(0.0,), warmup_steps=(10,), lr=(2e-3,),
-                         batch_size=(32,), epochs=2, max_seq_len=SEQ, max_train_examples=512,
+                         batch_size=(32,), epochs=2, max_seq_len=SEQ, max_train_examples=2_000,
                          max_concurrent_trials=1, trainer="deepspeed", workers_per_trial=2, zero_stage=3, sift=True)
     result, out, table = _sweep(cfg, tiny_pretrained, tmp_path, tracker, "ds-sweep")
     print(f"deepspeed sweep: {result.metrics}, {result.summary}")
@@ -422,11 +423,11 @@ def test_deepspeed_sweep_zero3_two_workers_with_sift(tiny_pretrained, ray_local,
         progress = pd.read_csv(trial / "progress.csv")
         assert (progress["world_size"] == 2).all() and (progress["sift_loss"] > 0).all()
     task = resolve_task(cfg.task)
-    best = result.metrics["best_dev_accuracy"]
+    best, baseline = result.metrics["best_dev_accuracy"], result.metrics["majority_baseline"]
+    assert learned(best, baseline, len(task.dev)), (best, baseline)
 
     # the weights gathered from the ZeRO-3 shards, evaluated in one plain process, give the reported dev metrics;
-    # they are whole (a strict load: no shard left empty) and trained (the backbone moved from the checkpoint), so
-    # neither an ungathered model nor the initial one passes, even where 16 steps leave the predictions one class
+    # they are whole (a strict load: no shard left empty) and trained (the backbone moved from the checkpoint)
     saved = json.loads((out / "model" / "finetune.json").read_text())
     clf = DebertaForSequenceClassification(checkpoint.load_config(out / "model"), saved["num_labels"], 0.0)
     tuned = torch.load(out / "model" / "model.pt", weights_only=True)
