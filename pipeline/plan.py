@@ -12,6 +12,7 @@ from typing import Any, Callable
 from core.artifacts import ArtifactStore, artifact_id, canonical_json
 from core.config import PipelineConfig
 from stages import corpus, finetune, pretrain, tokenize, vocab
+from stages.base import Prepared
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,12 @@ class StageSpec:
     help: str
     dry_run: Callable[..., str] | None = None
     """Optional `dry_run(*sections) -> str` for `--dry-run`: the plan on paper."""
+    check: Callable[..., None] | None = None
+    """Optional `check(first_section, *, other_sections...)`: the stage's rules across its sections, beside
+    `validate` (stages/base.py)."""
+    prepare: Callable[..., Prepared] | None = None
+    """Optional `prepare(first_section, *, other_sections..., planned, workdir, overrides) -> Prepared`: what the
+    stage's settings bring in from outside, resolved before Ray starts (stages/base.py)."""
 
 
 STAGES: tuple[StageSpec, ...] = (
@@ -38,25 +45,24 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec("tokenize", tokenize.run, tokenize.VERSION, ("tokenize",), ("corpus", "vocab"),
               "packed uint32 token sequences in Parquet shards (Ray Data)"),
     StageSpec("pretrain", pretrain.run, pretrain.VERSION, ("pretrain", "model"), ("tokenize", "vocab", "corpus"),
-              "DeBERTa MLM + EMD pretraining, Ray Train + DeepSpeed ZeRO, MLflow registry", pretrain.dry_run),
+              "DeBERTa MLM + EMD pretraining, Ray Train + DeepSpeed ZeRO, MLflow registry", pretrain.dry_run,
+              check=pretrain.check_config, prepare=pretrain.prepare),
     StageSpec("finetune", finetune.run, finetune.VERSION, ("finetune", "model"), ("pretrain", "vocab", "task"),
               "Ray Tune sweep over the Table 9 grid (+SiFT), champion in the MLflow registry", finetune.dry_run),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
 FROM_CHECKPOINT_INPUTS = ("pretrain", "task")
 """The finetune stage's inputs when it starts from an external checkpoint: its directory holds the tokenizer."""
-CONTINUE_INPUTS = ("init", "generator_init")
-"""External inputs of continued pretraining (`pretrain.init`, `pretrain.generator_init`): the vocab stage then
-copies the init's tokenizer (its only input; the [vocab] settings train nothing), and pretrain reads both."""
 
 
-def _inputs(spec: StageSpec, external_ids: dict[str, str]) -> tuple[str, ...]:
+def _inputs(spec: StageSpec, cfg: PipelineConfig, external_ids: dict[str, str],
+            prepared: Prepared) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """(the stage's inputs, its config hashed into the artifact id)."""
     if "pretrain" in external_ids:  # finetune.init: fine-tune that checkpoint, nothing else
-        return FROM_CHECKPOINT_INPUTS
-    given = tuple(name for name in CONTINUE_INPUTS if name in external_ids)
-    if given and spec.name == "vocab":
-        return ("init",)
-    return spec.inputs + given if given and spec.name == "pretrain" else spec.inputs
+        return FROM_CHECKPOINT_INPUTS, {s: getattr(cfg, s).what() for s in spec.sections}
+    if spec.name in prepared.replaces:  # made from those inputs alone: its settings change nothing
+        return prepared.replaces[spec.name], {}
+    return spec.inputs + prepared.adds.get(spec.name, ()), {s: getattr(cfg, s).what() for s in spec.sections}
 
 
 def stages_until(last: str | None) -> tuple[StageSpec, ...]:
@@ -80,29 +86,33 @@ class PlannedStage:
     """Asked for by --only/--until; False for stages only needed as (cached) inputs."""
     forced: bool = False
     """--force: recompute, discarding the stage's resumable state."""
+    note: str = ""
+    """What the plan says beside the stage (`Prepared.notes`)."""
 
 
 def make_plan(cfg: PipelineConfig, store: ArtifactStore, external_ids: dict[str, str],
-              only: str | None = None, until: str | None = None, force: tuple[str, ...] = ()) -> list[PlannedStage]:
+              only: str | None = None, until: str | None = None, force: tuple[str, ...] = (),
+              prepared: Prepared = Prepared()) -> list[PlannedStage]:
     """Resolve artifact ids of the stages up to `until` (or just `only`).
 
-    `external_ids` holds ids of inputs that are not stages (the raw corpus fingerprint, the task).
+    `external_ids` holds ids of inputs that are not stages (the raw corpus fingerprint, the task); `prepared`, what
+    the stages' own `prepare` brought in from outside and which stages read it.
     """
     unknown = sorted(set(force) - set(STAGE_NAMES))
     if unknown:
         raise ValueError(f"--force {unknown[0]}: unknown stage; stages are {', '.join(STAGE_NAMES)}")
-    ids = dict(external_ids)
+    ids = {**external_ids, **{name: obj.id for name, obj in prepared.objects.items()}}
     plan = []
     from_checkpoint = "pretrain" in external_ids  # finetune.init: fine-tune that checkpoint, nothing else
     specs = tuple(s for s in STAGES if s.name == "finetune") if from_checkpoint else stages_until(only or until)
     for spec in specs:
-        inputs = _inputs(spec, external_ids)
-        what = {} if inputs == ("init",) else {s: getattr(cfg, s).what() for s in spec.sections}
+        inputs, what = _inputs(spec, cfg, external_ids, prepared)
         input_ids = {name: ids[name] for name in inputs}
         art_id = artifact_id(spec.name, spec.version, canonical_json(what), input_ids)
         ids[spec.name] = art_id
         forced = spec.name in force
         cached = store.find(spec.name, art_id) is not None and not forced
         plan.append(PlannedStage(spec, art_id, {s: getattr(cfg, s).to_dict() for s in spec.sections}, input_ids,
-                                 cached, selected=only is None or spec.name == only, forced=forced))
+                                 cached, selected=only is None or spec.name == only, forced=forced,
+                                 note=prepared.notes.get(spec.name, "")))
     return plan

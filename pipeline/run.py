@@ -17,9 +17,9 @@ from pathlib import Path
 from core.artifacts import ArtifactStore, artifact_id, file_digest
 from core.config import ConfigError, PipelineConfig, apply_overrides, validate
 from core.datasets import materialize_corpus
-from pipeline.plan import STAGES, PlannedStage, make_plan, stages_until
+from pipeline.plan import STAGES, PlannedStage, StageSpec, make_plan, stages_until
 from pipeline.presets import CONTINUE_PRESETS, PRESETS
-from stages.pretrain import check_config as check_pretrain
+from stages.base import Prepared
 
 
 class UserError(Exception):
@@ -76,14 +76,28 @@ def resolve_config(args: argparse.Namespace) -> PipelineConfig:
         overrides.append(f"finetune.init={args.pretrained}")
     try:
         cfg = apply_overrides(cfg, overrides)
-        validate(cfg)
-        check_pretrain(cfg.pretrain, cfg.model)
+        check_config(cfg)
     except ConfigError as e:
         raise UserError(str(e)) from None
     if args.preset in CONTINUE_PRESETS and not cfg.pretrain.init:
         raise UserError(f"preset {args.preset} continues pretraining a released checkpoint; add --set "
                         f"pretrain.init=DIR (an HF DeBERTa-v3 directory) or models:/NAME/VERSION")
     return cfg
+
+
+def _sections(spec: StageSpec, cfg: PipelineConfig) -> tuple[object, dict[str, object]]:
+    """A stage's config sections as its functions take them: the first, and the rest by name."""
+    first, *rest = (getattr(cfg, s) for s in spec.sections)
+    return first, dict(zip(spec.sections[1:], rest))
+
+
+def check_config(cfg: PipelineConfig) -> None:
+    """`validate`, then every stage's own rules across its sections (`check`, stages/base.py); ConfigError."""
+    validate(cfg)
+    for spec in STAGES:
+        if spec.check is not None:
+            first, rest = _sections(spec, cfg)
+            spec.check(first, **rest)
 
 
 def check_workdir(workdir: Path) -> Path:
@@ -138,9 +152,22 @@ def content_key(path: str, size: int) -> str:
         return f"unreadable: {e.strerror}"
 
 
-def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path) -> tuple[dict, dict]:
-    """Inputs that are not stage artifacts - the raw corpus and the fine-tuning task - resolved exactly once,
-    on the driver before Ray starts (a missing path fails in a second), with ids the stages' ids build on.
+def planned_stages(args: argparse.Namespace, cfg: PipelineConfig) -> set[str]:
+    """The stages this invocation plans: those up to --only/--until, or the finetune stage alone for finetune.init."""
+    init = cfg.finetune.init
+    if init and (args.until or args.corpus or args.only not in (None, "finetune")):
+        raise UserError(f"finetune.init={init} runs the finetune stage alone; drop --only/--until/--corpus")
+    try:
+        return {"finetune"} if init else {s.name for s in stages_until(args.only or args.until)}
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path,
+                    planned: set[str]) -> tuple[dict, dict]:
+    """Inputs that are not stage artifacts - the raw corpus, the fine-tuning task and the checkpoint finetune.init
+    names - resolved exactly once, on the driver before Ray starts (a missing path fails in a second), with ids the
+    stages' ids build on.
 
     A corpus file is identified by path, size, modification time and `content_key`, so an in-place edit re-runs
     the corpus stage; the built-in corpus by its content, so its id does not depend on where the workdir lives.
@@ -151,23 +178,11 @@ def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path
     from stages.finetune.tasks import resolve_task
 
     init = cfg.finetune.init
-    if init and (args.until or args.corpus or args.only not in (None, "finetune")):
-        raise UserError(f"finetune.init={init} runs the finetune stage alone; drop --only/--until/--corpus")
-    try:
-        planned = {"finetune"} if init else {s.name for s in stages_until(args.only or args.until)}
-    except ValueError as e:
-        raise UserError(str(e)) from None
     objects, ids = {}, {}
     try:
         if init:  # a registry version is downloaded here, on the driver, before Ray starts
             objects["pretrain"] = resolve_init(init, workdir)
             ids["pretrain"] = objects["pretrain"].id
-        p = cfg.pretrain
-        if p.init and planned & {"vocab", "tokenize", "pretrain"}:  # continued pretraining
-            for key, value in (("init", p.init), ("generator_init", p.generator_init)):
-                if value:
-                    objects[key] = resolve_init(value, workdir, key=f"pretrain.{key}")
-                    ids[key] = objects[key].id
         if "corpus" in planned:
             if args.corpus:
                 patterns = tuple(args.corpus)
@@ -193,7 +208,7 @@ def print_plan(plan: list[PlannedStage]) -> None:
     for st in plan:
         state = ("cached (skip)" if st.cached else "run" if st.selected else "needed input, not built: error")
         state += " (--force: recomputed from scratch)" if st.forced else ""
-        state += " (the tokenizer of pretrain.init)" if list(st.input_ids) == ["init"] else ""
+        state += f" ({st.note})" if st.note else ""
         print(f"  {st.spec.name:<9} {st.artifact_id}  {state}")
 
 
@@ -237,46 +252,29 @@ def from_checkpoint(args: argparse.Namespace, cfg: PipelineConfig, objects: dict
     return cfg
 
 
-def continued(args: argparse.Namespace, cfg: PipelineConfig, objects: dict) -> PipelineConfig:
-    """pretrain.init: the [model] section is the checkpoint's config.json (a --set model.* that contradicts it is
-    an error, except the training choices) and [vocab] its tokenizer's size; for RTD, the generator's depth is
-    the given generator's."""
-    from deberta import continue_from
+def prepare_stages(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path,
+                   planned: set[str]) -> tuple[PipelineConfig, Prepared]:
+    """Every stage's `prepare` (stages/base.py): what its settings bring in from outside, resolved once before Ray
+    starts, merged into one `Prepared`; the config fields they decide applied and the whole config checked again."""
     from core.errors import StageInputError
 
-    init = objects["init"]
-    p = cfg.pretrain
+    merged = Prepared()
     try:
-        released = init.config()
-        asked = apply_overrides(dataclasses.replace(cfg, model=released),
-                                [o for o in args.overrides if o.startswith("model.")]).model
-        clash = [f"model.{f.name}={getattr(asked, f.name)!r} (config.json: {getattr(released, f.name)!r})"
-                 for f in dataclasses.fields(released)
-                 if f.name not in continue_from.TRAINING_CHOICES and getattr(asked, f.name) != getattr(released, f.name)]
-        if clash:
-            raise UserError(f"{', '.join(clash)} contradicts pretrain.init={init.source}: continued pretraining keeps "
-                            f"the checkpoint's architecture; drop the --set")
-        layers = p.generator_layers
-        if p.objective == "rtd":
-            generator = objects.get("generator_init")
-            try:
-                found = (continue_from.check_generator(generator.config(), released, generator.path, init.path)
-                         if generator else continue_from.generator_bin_layers(init.path, released))
-            except ValueError as e:
-                where = p.generator_init or f"(none; {continue_from.AUTHORS_GENERATOR_FILE} beside pretrain.init)"
-                raise UserError(f"pretrain.generator_init={where}: {e}") from None
-            if found is not None and layers is not None and layers != found:
-                raise UserError(f"pretrain.generator_layers={layers} contradicts the generator to start from "
-                                f"({found} layers); drop the --set")
-            layers = found if found is not None else layers
-        pieces = init.tokenizer_length() - 1
-        cfg = dataclasses.replace(cfg, model=asked, vocab=dataclasses.replace(cfg.vocab, vocab_size=pieces),
-                                  pretrain=dataclasses.replace(p, generator_layers=layers))
-        validate(cfg)
-        check_pretrain(cfg.pretrain, cfg.model)
+        for spec in STAGES:
+            if spec.prepare is None:
+                continue
+            first, rest = _sections(spec, cfg)
+            got = spec.prepare(first, **rest, planned=frozenset(planned), workdir=workdir,
+                               overrides=tuple(args.overrides))
+            merged = Prepared(**{f.name: {**getattr(merged, f.name), **getattr(got, f.name)}
+                                 for f in dataclasses.fields(Prepared)})
+        if merged.config:
+            cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **fields)
+                                              for section, fields in merged.config.items()})
+            check_config(cfg)
     except (StageInputError, ConfigError) as e:
         raise UserError(str(e)) from None
-    return cfg
+    return cfg, merged
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -285,15 +283,16 @@ def _main(args: argparse.Namespace) -> int:
 
     cfg = resolve_config(args)
     workdir = check_workdir(args.workdir)
-    objects, ext_ids = external_inputs(args, cfg, workdir)
+    planned = planned_stages(args, cfg)
+    cfg, prepared = prepare_stages(args, cfg, workdir, planned)
+    objects, ext_ids = external_inputs(args, cfg, workdir, planned)
     if cfg.finetune.init:
         cfg = from_checkpoint(args, cfg, objects)
-    elif "init" in objects:
-        cfg = continued(args, cfg, objects)
     print(f"resolved config ({cfg.preset}):\n{cfg.to_json()}", flush=True)
     store = ArtifactStore(workdir)
     try:
-        plan = make_plan(cfg, store, ext_ids, only=args.only, until=args.until, force=tuple(args.force))
+        plan = make_plan(cfg, store, ext_ids, only=args.only, until=args.until, force=tuple(args.force),
+                         prepared=prepared)
     except ValueError as e:
         raise UserError(str(e)) from None
     missing = [s.spec.name for s in plan if not s.selected and not s.cached]
@@ -311,7 +310,7 @@ def _main(args: argparse.Namespace) -> int:
         except StageInputError as e:
             raise UserError(str(e)) from None
         started = time.time()
-        outcome = execute(cfg, plan, objects, store, workdir)
+        outcome = execute(cfg, plan, {**objects, **prepared.objects}, store, workdir)
     print_summary(outcome, workdir, time.time() - started)
     return 0 if outcome.ok else 1
 

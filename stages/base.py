@@ -14,13 +14,23 @@ returns (so a stage never needs its own atomic-write logic), and `ctx` carries w
 keep state that must survive a failed attempt, the MLflow tracker of the stage's run, and the lineage ids for
 registry tags.
 A stage raises `StageInputError` for problems a user can fix; the runner prints its message.
+
+Two more functions are optional, both called on the driver before Ray starts, and named in the stage table
+(`check=`, `prepare=`) when a stage has them:
+
+    def check(cfg, *, other sections) -> None      # rules across its sections, beside `validate` (ConfigError)
+    def prepare(cfg, *, other sections, planned, workdir, overrides) -> Prepared
+
+`prepare` resolves, once, what the stage's settings bring in from outside the pipeline (a released checkpoint to
+start from) and says what that implies for the rest of the run (`Prepared`); `planned` names the stages this run
+plans, `overrides` are the command line's `--set` items (what the user asked for by name).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from core.lineage import Tracker
@@ -62,3 +72,23 @@ class StageResult:
     """Files (relative to `out`) to log as MLflow artifacts of the stage run (reports, plots)."""
     summary: dict[str, str] = field(default_factory=dict)
     """Short facts for the end-of-run summary (e.g. registered model versions)."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a stage's outside inputs imply for the run (its `prepare`): the inputs themselves, the configuration
+    they decide, and the stages that read them."""
+
+    objects: dict[str, Any] = field(default_factory=dict)
+    """The outside inputs by name, each with an `id` (a digest) that the artifact ids of the stages reading it build
+    on, e.g. {"init": ExternalCheckpoint}."""
+    config: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Config fields these inputs decide, {section: {field: value}} (a checkpoint's architecture, its tokenizer's
+    size); the run is validated again with them."""
+    adds: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """{stage: inputs it reads besides those of the stage table}."""
+    replaces: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """{stage: the only inputs it reads}: such a stage makes its artifact from them alone, none of its own settings
+    hashed into its id (the vocab stage copying a checkpoint's tokenizer trains nothing)."""
+    notes: dict[str, str] = field(default_factory=dict)
+    """{stage: what the plan says beside it}."""

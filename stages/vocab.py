@@ -14,6 +14,10 @@ bit-identical models also need the same thread count (`VocabConfig.num_threads`)
 
 Outputs: spm.model, spm.vocab, special_tokens.json (ids), stats.json (pieces, coverage, pieces per word on
 validation). `core.tokenizer.Tokenizer` is how the tokenize, pretrain and finetune stages read them.
+
+Given a checkpoint's directory instead of a corpus (its one input, under any name: continued pretraining makes the
+vocab stage read `pretrain.init`, `stages.pretrain.continued.prepare`), the stage copies that checkpoint's
+SentencePiece model into the same layout and trains nothing.
 """
 
 from __future__ import annotations
@@ -189,22 +193,24 @@ def validation_stats(tok: Tokenizer, files: Sequence[Path], num_threads: int) ->
     }
 
 
-def from_init(init, out: Path) -> StageResult:
-    """`pretrain.init`: the released checkpoint's own SentencePiece model, in this stage's layout (its ids are the
+def copy_tokenizer(checkpoint, out: Path) -> StageResult:
+    """A checkpoint's own SentencePiece model (an HF directory's spm.model), in this stage's layout (its ids are the
     ones the checkpoint was trained with: pieces 0-3 [PAD] [CLS] [SEP] [UNK], [MASK] = pieces, as released V3)."""
-    shutil.copyfile(Path(init.path) / MODEL_FILE, out / MODEL_FILE)
+    shutil.copyfile(Path(checkpoint.path) / MODEL_FILE, out / MODEL_FILE)
     tok = Tokenizer.load(out / MODEL_FILE)
     (out / SPECIAL_FILE).write_text(json.dumps(tok.special_ids, indent=2) + "\n")
-    stats = {"pieces": tok.vocab_size, "tokenizer_length": len(tok), "from": init.source, "from_digest": init.id}
+    stats = {"pieces": tok.vocab_size, "tokenizer_length": len(tok), "from": checkpoint.source,
+             "from_digest": checkpoint.id}
     (out / STATS_FILE).write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n")
     return StageResult(counts={"pieces": tok.vocab_size, "tokenizer_length": len(tok)},
                        log_files=(MODEL_FILE, SPECIAL_FILE, STATS_FILE),
-                       summary={"vocab": f"from {init.source}: {tok.vocab_size} pieces + [MASK]={tok.mask_id}"})
+                       summary={"vocab": f"from {checkpoint.source}: {tok.vocab_size} pieces + [MASK]={tok.mask_id}"})
 
 
 def run(cfg: VocabConfig, *, inputs: dict[str, Artifact], out: Path, ctx: StageContext) -> StageResult:
-    if "init" in inputs:
-        return from_init(inputs["init"], out)
+    if "corpus" not in inputs:  # a checkpoint's directory: its tokenizer, copied
+        (checkpoint,) = inputs.values()
+        return copy_tokenizer(checkpoint, out)
     corpus = inputs["corpus"]
     train = split_files(corpus, "train", ["doc_id", "text"])
     validation = split_files(corpus, "validation", ["text"])

@@ -6,7 +6,8 @@ The package, one thing per file:
                    last checkpoint
     objective.py   what an objective supplies (`Objective`); mlm.py, rtd.py, sop.py implement it; objectives.py
                    names them (`objective_for`, the one reader of `pretrain.objective`) and runs their checks
-    continued.py   continued pretraining (`pretrain.init`): the starting weights, the lineage tags
+    continued.py   continued pretraining (`pretrain.init`): what the checkpoint decides before Ray starts (`prepare`),
+                   the starting weights, the lineage tags
     loop.py        one training step and one validation pass as plain functions (the benchmarks call them too), and
                    the Ray Train worker loop around them: engine, data position, evaluation schedule
     checkpoints.py what a checkpoint holds, saving one, listing a run's and restoring the newest that verifies
@@ -43,7 +44,7 @@ from core.tokenizer import Tokenizer
 from stages.base import StageContext, StageResult
 from stages.pretrain import data
 from stages.pretrain.checkpoints import set_aside_cut_short_snapshot
-from stages.pretrain.continued import init_tags, initial_weights
+from stages.pretrain.continued import init_tags, initial_weights, prepare
 from stages.pretrain.estimates import dry_run
 from stages.pretrain.objective import Objective
 from stages.pretrain.objectives import check_config, objective_for
@@ -54,6 +55,9 @@ if TYPE_CHECKING:  # the model library and the worker loop import torch: only in
     from deberta.config import DebertaConfig
     from stages.pretrain.checkpoints import TrainState
     from stages.pretrain.loop import LoopJob
+
+__all__ = ["VERSION", "check_config", "dry_run", "objective_for", "prepare", "run"]
+"""What the stage table (`pipeline/plan.py`) and the benchmarks take from the stage."""
 
 VERSION = "4"
 

@@ -1,7 +1,12 @@
 """Continued pretraining (`pretrain.init`): starting from a released DeBERTa-v2/v3 checkpoint instead of random
 weights.
 
-The objective assembles its starting weights from the checkpoint (`Objective.initial_weights`, through
+`prepare` decides, once, on the driver before Ray starts, what the checkpoint implies for the run: the [model] section
+is its config.json, the [vocab] size its tokenizer's, the vocab stage copies that tokenizer instead of training one,
+the objective takes what else the checkpoint decides (`Objective.continued_config`: RTD's generator depth), and the
+pretrain stage reads the checkpoint (and `generator_init`) as inputs whose digests its artifact id builds on.
+
+In the stage, the objective assembles its starting weights from the checkpoint (`Objective.initial_weights`, through
 `deberta.continue_from`); `initial_weights` checks them against the model key for key on the meta device and writes
 them once per artifact as a safetensors file, which every worker maps (`SafetensorsFile`): under ZeRO-3 each rank
 copies one module's tensors at a time (`training.engine.construct`). `init_tags` is the run's lineage: the
@@ -10,20 +15,57 @@ checkpoints it started from and where each part of the model came from.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from core.config import ConfigError, PipelineConfig, PretrainConfig, apply_overrides
 from core.errors import StageInputError
+from stages.base import Prepared
 from stages.pretrain.objective import Objective
+from stages.pretrain.objectives import objective_for
 
 if TYPE_CHECKING:
     import torch
 
     from deberta.config import DebertaConfig
 
+CHANGED_STAGES = ("vocab", "tokenize", "pretrain")
+"""The stages a released checkpoint changes: its tokenizer is the vocab stage's, so every stage from there on."""
 INIT_WEIGHTS_FILE = "init-weights.safetensors"
 """The starting weights in the stage's scratch directory: written once, read by every worker."""
+
+
+def prepare(cfg: PretrainConfig, *, model: DebertaConfig, planned: Collection[str], workdir: Path,
+            overrides: Sequence[str]) -> Prepared:
+    """`pretrain.init` and `generator_init` resolved (a registry version downloaded into the workdir) and what they
+    imply (the module's docstring); nothing without `init`, or when the run plans none of `CHANGED_STAGES`. A
+    `--set model.*` that contradicts the checkpoint's config.json is refused, except the training choices."""
+    if not cfg.init or not set(planned) & set(CHANGED_STAGES):
+        return Prepared()
+    from core.init_checkpoint import resolve_init
+    from deberta import continue_from  # torch: only for a run that continues a checkpoint
+
+    objects = {key: resolve_init(value, workdir, key=f"pretrain.{key}")
+               for key, value in (("init", cfg.init), ("generator_init", cfg.generator_init)) if value}
+    init = objects["init"]
+    released = init.config()
+    asked = apply_overrides(PipelineConfig(preset="", model=released),
+                            [o for o in overrides if o.startswith("model.")]).model
+    clash = [f"model.{f.name}={getattr(asked, f.name)!r} (config.json: {getattr(released, f.name)!r})"
+             for f in dataclasses.fields(released)
+             if f.name not in continue_from.TRAINING_CHOICES and getattr(asked, f.name) != getattr(released, f.name)]
+    if clash:
+        raise ConfigError(f"{', '.join(clash)} contradicts pretrain.init={init.source}: continued pretraining keeps "
+                          f"the checkpoint's architecture; drop the --set")
+    decided = objective_for(cfg).continued_config(released, init.path, objects.get("generator_init"))
+    return Prepared(
+        objects=objects,
+        config={"model": {f.name: getattr(asked, f.name) for f in dataclasses.fields(asked)},
+                "vocab": {"vocab_size": init.tokenizer_length() - 1}, "pretrain": decided},
+        adds={"pretrain": tuple(objects)}, replaces={"vocab": ("init",)},
+        notes={"vocab": "the tokenizer of pretrain.init"})
 
 
 def initial_weights(objective: Objective, model: "DebertaConfig", inputs: dict, scratch: Path) -> tuple[str, dict]:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from core.init_checkpoint import ExternalCheckpoint
     from deberta.config import DebertaConfig
     from deberta.masking import SpanMasker
 
@@ -63,7 +64,11 @@ class Objective:
 
     # ------------------------------------------------------------------------------------------------ checks
     def check(self, model: DebertaConfig) -> list[str]:
-        """Problems with this objective's settings against the [model] section (messages naming the fix)."""
+        """Problems with this objective's settings, alone and against the [model] section (messages naming the fix).
+        An objective checks the fields it reads; this base has no generator to start from."""
+        if self.cfg.generator_init:
+            return [f"pretrain.generator_init={self.cfg.generator_init}: the {self.name} objective has no generator; "
+                    f"drop generator_init"]
         return []
 
     # ------------------------------------------------------------------------------------------------- model
@@ -77,6 +82,13 @@ class Objective:
         `init` (a subset of its state dict; the rest keeps its fresh init) and a note per part saying where it came
         from (`deberta.continue_from`). ValueError naming the part that does not fit."""
         raise NotImplementedError
+
+    def continued_config(self, released: DebertaConfig, init: str, generator: ExternalCheckpoint | None
+                         ) -> dict[str, Any]:
+        """Continued pretraining: the `pretrain` fields that the released checkpoint (its config `released`, its HF
+        directory `init`) and the given generator decide, {field: value}; ConfigError where a setting contradicts
+        them. Decided on the driver before Ray starts (`stages.pretrain.continued.prepare`)."""
+        return {}
 
     def released_loss_inputs(self) -> dict[str, Any] | None:
         """Extra model inputs that make a validation pass compute the loss `transformers` computes for the released

@@ -21,12 +21,14 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from core.config import ConfigError
 from stages.pretrain.objective import Export, Objective, Sums
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from core.init_checkpoint import ExternalCheckpoint
     from deberta.config import DebertaConfig
     from deberta.masking import SpanMasker
 
@@ -42,11 +44,43 @@ class RTD(Objective):
                      "val_replaced_fraction")
 
     def check(self, model: DebertaConfig) -> list[str]:
-        layers = self.cfg.generator_layers
-        if layers is not None and layers > model.num_hidden_layers:
-            return [f"pretrain.generator_layers={layers} is deeper than the discriminator (model.num_hidden_layers="
-                    f"{model.num_hidden_layers}); DeBERTaV3 uses half the depth (generator_layers=none)"]
-        return []
+        """lambda, the embedding sharing, the generator's depth; `generator_init` only beside `init`."""
+        from deberta.config import EMBEDDING_SHARING
+
+        c, problems = self.cfg, []
+        if c.embedding_sharing not in EMBEDDING_SHARING:
+            problems.append(f"pretrain.embedding_sharing={c.embedding_sharing!r}: use gdes, es or nes")
+        if not c.rtd_weight > 0:
+            problems.append(f"pretrain.rtd_weight={c.rtd_weight}: must be > 0 (DeBERTaV3 uses 50)")
+        layers = c.generator_layers
+        if layers is not None and layers < 1:
+            problems.append(f"pretrain.generator_layers={layers}: must be >= 1 (or none for half the depth)")
+        elif layers is not None and layers > model.num_hidden_layers:
+            problems.append(f"pretrain.generator_layers={layers} is deeper than the discriminator "
+                            f"(model.num_hidden_layers={model.num_hidden_layers}); DeBERTaV3 uses half the depth "
+                            f"(generator_layers=none)")
+        if c.generator_init and not c.init:
+            problems.append(f"pretrain.generator_init={c.generator_init}: a generator is only read when continuing "
+                            f"pretraining; set pretrain.init=DIR (or drop generator_init)")
+        return problems
+
+    def continued_config(self, released: DebertaConfig, init: str, generator: ExternalCheckpoint | None
+                         ) -> dict[str, Any]:
+        """The generator's depth: the given generator's (checked to be the discriminator's model at another depth,
+        with its tokenizer), else that of the authors' pytorch_model.generator.bin beside `init`, else the setting."""
+        from deberta import continue_from
+
+        c = self.cfg
+        try:
+            found = (continue_from.check_generator(generator.config(), released, generator.path, init) if generator
+                     else continue_from.generator_bin_layers(init, released))
+        except ValueError as e:
+            where = c.generator_init or f"(none; {continue_from.AUTHORS_GENERATOR_FILE} beside pretrain.init)"
+            raise ConfigError(f"pretrain.generator_init={where}: {e}") from None
+        if found is not None and c.generator_layers is not None and c.generator_layers != found:
+            raise ConfigError(f"pretrain.generator_layers={c.generator_layers} contradicts the generator to start "
+                              f"from ({found} layers); drop the --set")
+        return {"generator_layers": found if found is not None else c.generator_layers}
 
     def build_model(self, model: "DebertaConfig") -> tuple[Callable[[], "nn.Module"], Callable[["nn.Module"], None]]:
         from deberta.rtd import RTDPretrainer, rtd_init_weights

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from core.init_checkpoint import ExternalCheckpoint
     from deberta.config import DebertaConfig
     from deberta.masking import SpanMasker
 
@@ -43,6 +44,10 @@ class SentenceOrder(Objective):
 
     def build_model(self, model: "DebertaConfig") -> tuple[Callable[[], "nn.Module"], Callable[["nn.Module"], None]]:
         return self.inner.build_model(model)
+
+    def continued_config(self, released: DebertaConfig, init: str, generator: ExternalCheckpoint | None
+                         ) -> dict[str, Any]:
+        return self.inner.continued_config(released, init, generator)
 
     def initial_weights(self, model: "DebertaConfig", init: str, generator_init: str = ""
                         ) -> tuple[dict[str, "torch.Tensor"], dict[str, str]]:

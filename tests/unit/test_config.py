@@ -195,9 +195,30 @@ def test_v3_presets_are_table10(name, shape, lr):
 
 @pytest.mark.parametrize("items, fragment", [
     (["pretrain.objective=electra"], "pretrain.objective='electra': use mlm or rtd"),
-    (["pretrain.embedding_sharing=tied"], "pretrain.embedding_sharing='tied': use gdes, es or nes"),
-    (["pretrain.rtd_weight=0"], "pretrain.rtd_weight=0.0: must be > 0"),
+    (["pretrain.objective=rtd", "pretrain.embedding_sharing=tied"],
+     "pretrain.embedding_sharing='tied': use gdes, es or nes"),
+    (["pretrain.objective=rtd", "pretrain.rtd_weight=0"], "pretrain.rtd_weight=0.0: must be > 0"),
+    (["pretrain.objective=rtd", "pretrain.generator_layers=0"], "pretrain.generator_layers=0: must be >= 1"),
+    (["pretrain.objective=rtd", "pretrain.generator_init=/released/gen"], "only read when continuing pretraining"),
+    (["pretrain.generator_init=/released/gen"], "the mlm objective has no generator"),
 ])
-def test_rtd_config_errors(items, fragment):
+def test_objective_config_errors(items, fragment):
+    """Each objective checks the fields it reads (`stages.pretrain.objectives.check_config`), beside `validate`,
+    which leaves them alone; the command line runs both."""
+    from pipeline.run import UserError, build_parser, resolve_config
+    from stages.pretrain import check_config
+
+    cfg = apply_overrides(PRESETS["debug"](), items)
+    validate(cfg)
     with pytest.raises(ConfigError, match=fragment):
-        validate(apply_overrides(PRESETS["debug"](), items))
+        check_config(cfg.pretrain, cfg.model)
+    with pytest.raises(UserError, match=fragment):
+        resolve_config(build_parser().parse_args([arg for item in items for arg in ("--set", item)]))
+
+
+def test_an_objective_reads_only_its_own_fields():
+    """RTD's settings are RTD's: the MLM objective neither reads nor checks them."""
+    from stages.pretrain import check_config
+
+    cfg = apply_overrides(PRESETS["debug"](), ["pretrain.rtd_weight=0", "pretrain.embedding_sharing=tied"])
+    check_config(cfg.pretrain, cfg.model)
