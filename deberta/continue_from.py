@@ -34,7 +34,7 @@ from deberta.config import DebertaConfig
 WORD_TABLE = "deberta.embeddings.word_embeddings.weight"
 AUTHORS_POSITION_TABLE = "deberta.embeddings.position_embeddings.weight"
 AUTHORS_GENERATOR_FILE = "pytorch_model.generator.bin"
-"""The authors' generator, published beside some V3 discriminators (microsoft/DeBERTa #121)."""
+"""The authors' generator, which microsoft/DeBERTa publishes beside some of its V3 discriminators."""
 LM_HEAD = "lm_predictions.lm_head."
 RTD_HEAD = "mask_predictions."
 _LAYER = re.compile(r"(?:^|\.)encoder\.layer\.(\d+)\.")

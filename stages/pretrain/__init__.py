@@ -10,6 +10,7 @@ The package, one thing per file:
                    the starting weights, the lineage tags
     loop.py        one training step and one validation pass as plain functions (the benchmarks call them too), and
                    the Ray Train worker loop around them: engine, data position, evaluation schedule
+    rank_zero.py   the workers' side effects (prints, MLflow metrics through tracking outages), on rank 0 only
     checkpoints.py what a checkpoint holds, saving one, listing a run's and restoring the newest that verifies
     data.py        the order the tokenised train shards are read in: a permutation per epoch, rows by index
     registry.py    metrics.json, the loss curve and the registry version

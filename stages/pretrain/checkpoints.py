@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from stages.pretrain.rank_zero import RankZero
 from training import checkpoint_files
 from training.checkpoint_files import STATE_FILE
 
@@ -98,9 +99,9 @@ def run_checkpoints(latest, run_dir: str = "") -> list:
     return [latest, *checkpoints_in(fs, parent, below=saved_step(fs, latest.path))]
 
 
-def restore(engine, rank0, rank: int, world: int, run_dir: str = "") -> TrainState:
+def restore(engine, rank0: RankZero, rank: int, world: int, run_dir: str = "") -> TrainState:
     """The newest checkpoint that verifies (after a worker failure, or a restart of the stage) -> engine + position;
-    `rank0` (`loop.RankZero`) says and logs what was taken and skipped.
+    `rank0` says and logs what was taken and skipped.
 
     Each rank reads its own files' list (`training.checkpoint_files`) and the ranks agree: a checkpoint a lost node
     left half-written, or a shard a bad disk truncated, is skipped - said, and logged as `checkpoints_skipped` -

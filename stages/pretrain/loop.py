@@ -13,13 +13,12 @@ pure function of (seed, step, micro-batch, rank) and the dropout RNG is reseeded
 step, so a resumed run repeats the uninterrupted one step for step. The step and the validation pass
 themselves (`train_step`, `validation_sums`) run without Ray.
 
-Side effects (prints, MLflow) happen on world rank 0 only, through `RankZero`.
+Side effects (prints, MLflow) happen on world rank 0 only, through `RankZero` (`rank_zero.py`).
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -29,19 +28,15 @@ import torch
 
 import stages.pretrain.data as data
 from core.config import PretrainConfig
-from core.metric_buffer import MetricBuffer
 from deberta.config import DebertaConfig
 from deberta.masking import SpanMasker
 from stages.pretrain.checkpoints import TrainState, restore, save_and_report
 from stages.pretrain.continued import SafetensorsFile
 from stages.pretrain.objective import Objective, Sums
+from stages.pretrain.rank_zero import RankZero
 from stages.segment_pairs import SOP_COLUMN
 from training.deepspeed_config import DeepSpeedConfig
 from training.engine import Engine, OptimSpec, build
-
-METRICS_DRAIN_S = 300.0
-"""How long the end of training waits for metrics queued during a tracking outage before reporting them lost."""
-
 
 # ----------------------------------------------------------------------------- the step and the validation pass
 # Plain functions of (engine, objective, masker, batches): no Ray, no process group. The benchmarks call them on a
@@ -151,42 +146,6 @@ class LoopJob:
 
     def masker(self):
         return self.objective.masker(self.tokenizer_len, self.mask_id, self.special_ids, self.word_start_mask())
-
-
-class RankZero:
-    """The one place side effects happen: prints and MLflow metrics, on world rank 0 only.
-
-    Metrics go through a `MetricBuffer`: a tracking server that is down costs no training step (the points
-    queue and arrive, in order, when it is back), and one still down at the end is reported, not a failure."""
-
-    def __init__(self, rank: int, tracker: Any):
-        self.rank, self.tracker, self.started = rank, tracker, time.time()
-        self.buffer = MetricBuffer(self._send, say=self.print) if rank == 0 else None
-        self.unsent = 0
-
-    def _send(self, metrics: dict[str, float], step: int, timestamp_ms: int) -> None:
-        self.tracker.log_metrics(metrics, step=step, timestamp_ms=timestamp_ms)
-
-    def print(self, message: str) -> None:
-        if self.rank == 0:
-            # Not print(): Ray Train routes print() through the root logger, which DeepSpeed's handler
-            # echoes a second time, so every line reached the driver twice.
-            sys.stdout.write(f"[pretrain {time.time() - self.started:5.0f}s] {message}\n")
-            sys.stdout.flush()
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        if self.buffer is not None:
-            self.buffer.log({k: v for k, v in metrics.items() if v is not None}, step=step)
-
-    def close(self, timeout_s: float = METRICS_DRAIN_S) -> int:
-        """Deliver what is queued (waiting up to `timeout_s`); returns the number of points never delivered."""
-        if self.buffer is not None:
-            left = self.buffer.close(timeout_s)
-            self.buffer, self.unsent = None, len(left)
-            if left:
-                self.print(f"warning: {len(left)} metric points (steps {left[0][1]}-{left[-1][1]}) could not be "
-                           f"logged: the tracking server was still unreachable after {timeout_s:.0f}s")
-        return self.unsent
 
 
 def optim_spec(cfg: PretrainConfig) -> OptimSpec:
