@@ -130,7 +130,8 @@ def test_sweep_beats_baseline_and_registers_champion(tiny_pretrained, ray_local,
     lineage = Lineage(tmp_path)
     lineage.start("finetune-test", {"preset": "debug"}, ["finetune"])
     tracker = lineage.stage_run("finetune", "sweep-under-test", {"finetune": {}}, {}, cached=False)
-    cfg = FinetuneConfig(task="rotten-tomatoes", dropout=(0.0, 0.1), warmup_steps=(10,), lr=(1e-3, 2e-3),
+    # two trials: enough to choose between and to run at once; their learning is what 2,000 examples show
+    cfg = FinetuneConfig(task="rotten-tomatoes", dropout=(0.1,), warmup_steps=(10,), lr=(1e-3, 2e-3),
                          batch_size=(32,), epochs=2, max_seq_len=SEQ, max_train_examples=2_000,
                          max_concurrent_trials=2, cpus_per_trial=1)
     pre, vocab = tiny_pretrained
@@ -148,11 +149,11 @@ def test_sweep_beats_baseline_and_registers_champion(tiny_pretrained, ray_local,
     import pandas as pd
 
     table = pd.read_csv(out / "results.csv")
-    assert len(table) == 4 and set(table["lr"]) == {1e-3, 2e-3} and set(table["dropout"]) == {0.0, 0.1}
-    assert (table["epochs"] == 2).all() and result.counts["trial_epochs"] == 8
+    assert len(table) == 2 and set(table["lr"]) == {1e-3, 2e-3} and set(table["dropout"]) == {0.1}
+    assert (table["epochs"] == 2).all() and result.counts["trial_epochs"] == 4
     exp_dir = tmp_path / "ray_results" / "finetune-sweep-under-test"
     trial_dirs = {p.name: p for p in exp_dir.iterdir() if (p / "progress.csv").is_file()}
-    assert len(trial_dirs) == 4 and _overlapping(trial_dirs)
+    assert len(trial_dirs) == 2 and _overlapping(trial_dirs)
     # watched live: the command is printed when the sweep starts, and every trial's event file gives TensorBoard's
     # HPARAMS view the trial's grid point and its best dev accuracy (the number selection ranks by)
     assert f"tensorboard --logdir {exp_dir} --host 127.0.0.1" in printed
@@ -217,7 +218,7 @@ def test_sweep_beats_baseline_and_registers_champion(tiny_pretrained, ray_local,
     assert [p["score"] for p in served.predictions] == pytest.approx(list(predicted["score"][:16]), abs=1e-6)
     assert {p["label"] for p in served.predictions} <= {"rotten", "fresh"}
     children = client.search_runs([tracker.experiment_id], f"tags.mlflow.parentRunId = '{tracker.run_id}'")
-    assert len(children) == 4
+    assert len(children) == 2
     for run in children:
         assert {"dropout", "warmup_steps", "lr", "batch_size", "seed"} <= set(run.data.params)
         assert run.info.status == "FINISHED"

@@ -197,7 +197,7 @@ def test_two_sources_in_sorted_order_are_mixed_in_every_window(store, workdir, m
     (2 workers, its epoch order) with each source's share within 5 points of its overall share in every window
     of 5% of the sequences, while the tokenize artifact holds it in corpus order, sorted by source. Epoch 2
     differs."""
-    from stages.finetune.tasks import rotten_tomatoes
+    from stages.finetune.kinds.sequence import rotten_tomatoes
     from stages.pretrain.data import batches_per_epoch, rank_order
     from tests.data_order import mixing_deviation
 
