@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text files, directories or globs (.txt/.jsonl/.parquet, optionally .gz/.bz2/.zst), "
                         "or pyarrow.fs URIs; default: the built-in news corpus")
     p.add_argument("--task", metavar="NAME_OR_PATH",
-                   help="fine-tuning task: rotten-tomatoes, lee-sts, or a directory of GLUE-format files")
+                   help="fine-tuning task: rotten-tomatoes, lee-sts, wnut16-ner, or a task directory (GLUE-format "
+                        "sentence files, CoNLL/JSONL token files, or SQuAD JSON)")
     p.add_argument("--pretrained", metavar="DIR_OR_URI",
                    help="short for --set finetune.init=DIR_OR_URI: fine-tune this HF DeBERTa-v2 directory "
                         "(config.json, weights, spm.model) or registry version (models:/NAME/VERSION, "
