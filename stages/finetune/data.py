@@ -17,7 +17,6 @@ from core.tokenizer import MODEL_FILE
 from core.errors import StageInputError
 from core.init_checkpoint import ExternalCheckpoint
 from stages.finetune.kinds.base import Encoded
-from stages.finetune.kinds.sequence import encode_split  # noqa: F401  (the sequence kind's rows, for callers here)
 
 if TYPE_CHECKING:
     import torch

@@ -103,7 +103,7 @@ def register_champion(ctx: StageContext, out: Path, task: TaskRef, champion: dic
             "vocab": ctx.lineage.get("vocab", ""), "task": task.id, "task_name": task.name, "sweep": ctx.artifact_id,
             "trial_id": champion["trial_id"], "trial_config": json.dumps(trial_cfg, sort_keys=True),
             metric: f"{champion[metric]:.6f}", "baseline": f"{baseline:.6f}"}
-    if task.kind in kind_of("classification").problems:  # the constant predictor's score, under its old name
+    if kind_of(task.kind).name == "sequence":  # the constant predictor's score, under its old name
         tags["majority_baseline"] = tags["baseline"]
     if init is not None:
         tags.update(init=init.source, init_digest=init.id)

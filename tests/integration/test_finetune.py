@@ -433,7 +433,7 @@ def test_deepspeed_sweep_zero3_two_workers_with_sift(tiny_pretrained, ray_local,
     clf = DebertaForSequenceClassification(checkpoint.load_config(out / "model"), saved["num_labels"], 0.0)
     tuned = torch.load(out / "model" / "model.pt", weights_only=True)
     clf.load_state_dict(tuned)
-    dev = ft_data.encode_split(Tokenizer.load(out / "model" / "tokenizer"), task.dev, SEQ)
+    dev = sequence.encode_split(Tokenizer.load(out / "model" / "tokenizer"), task.dev, SEQ)
     scored = ft_trial.evaluate(clf, dev, task.kind, "cpu")
     assert scored["accuracy"] == pytest.approx(best, abs=1e-6) and table["dev_accuracy"][0] == pytest.approx(best)
     assert scored["f1"] == pytest.approx(table["dev_f1"][0], abs=1e-6)

@@ -13,6 +13,7 @@ This module and the kinds' top levels stay torch-free: the driver resolves the t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -152,8 +153,10 @@ def check_stride(cfg: "FinetuneConfig", room: int) -> None:
                               f"no room to advance ({room} pieces of text each); use doc_stride < {room}")
 
 
+@functools.lru_cache(maxsize=4)
 def fast_tokenizer(tok_dir: Path, max_len: int):
-    """The export's tokenizer: what the registered model reads raw text with, so features match serving."""
+    """The export's tokenizer: what the registered model reads raw text with, so features match serving. Built
+    once per vocabulary and length (the train and dev splits share it)."""
     from deberta import hf
 
     return hf.build_tokenizer(tok_dir, max_len)
