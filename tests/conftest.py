@@ -19,6 +19,11 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 SITE = Path(next(p for p in sys.path if p.endswith("site-packages")))
 
+# Ray Train's controller polls its worker group every 2 s (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S): a finished or lost
+# group is noticed up to 2 polls late, ~4 s per Ray Train run at the tests' sizes of a few seconds of training.
+# Every Ray process the tests start (in-process, `ray start`, cluster/local.sh) inherits this environment.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+
 
 def free_port() -> int:
     with socket.socket() as s:
