@@ -218,3 +218,11 @@ PRESETS = {
 }
 CONTINUE_PRESETS = frozenset(name for name in PRESETS if name.endswith("-continue"))
 """Presets that continue a released checkpoint: `pretrain.init` must be set (the run refuses otherwise)."""
+
+
+def missing_for_preset(name: str, cfg: PipelineConfig) -> str | None:
+    """What the preset needs that the command line did not give, as the fix to print; None when nothing is."""
+    if name in CONTINUE_PRESETS and not cfg.pretrain.init:
+        return (f"preset {name} continues pretraining a released checkpoint; add --set pretrain.init=DIR (an HF "
+                f"DeBERTa-v3 directory) or models:/NAME/VERSION")
+    return None

@@ -18,7 +18,7 @@ from core.artifacts import ArtifactStore, artifact_id, file_digest
 from core.config import ConfigError, PipelineConfig, apply_overrides, validate
 from core.datasets import materialize_corpus
 from pipeline.plan import STAGES, PlannedStage, StageSpec, make_plan, stages_until
-from pipeline.presets import CONTINUE_PRESETS, PRESETS
+from pipeline.presets import PRESETS, missing_for_preset
 from stages.base import Prepared
 
 
@@ -80,9 +80,9 @@ def resolve_config(args: argparse.Namespace) -> PipelineConfig:
         check_config(cfg)
     except ConfigError as e:
         raise UserError(str(e)) from None
-    if args.preset in CONTINUE_PRESETS and not cfg.pretrain.init:
-        raise UserError(f"preset {args.preset} continues pretraining a released checkpoint; add --set "
-                        f"pretrain.init=DIR (an HF DeBERTa-v3 directory) or models:/NAME/VERSION")
+    missing = missing_for_preset(args.preset, cfg)
+    if missing:
+        raise UserError(missing)
     return cfg
 
 
