@@ -64,6 +64,7 @@ class Section:
 
 ZERO_STAGES = (0, 1, 2, 3)
 PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+PRECISIONS = ("auto", "fp32", "bf16")
 
 
 def check_zero_stage(stage: int, section: str) -> None:
@@ -249,6 +250,13 @@ class PretrainConfig(Section):
     """objective=rtd with `init`: the generator to start from (an HF DebertaV2ForMaskedLM directory or registry
     version); "" = the authors' pytorch_model.generator.bin beside `init` if there is one, else the lower
     `generator_layers` layers of the discriminator."""
+    precision: str = "auto"
+    """Arithmetic of the forward pass: "fp32", "bf16" (GPU: DeepSpeed's bf16; CPU: `torch.autocast` to bfloat16
+    with fp32 master weights, gradients and gloo all-reduce) or "auto" (`training.precision.resolve`: bf16 on GPU,
+    and on CPUs with native bf16 where bench/results/step_speed.json measured it faster)."""
+    compile: bool = False
+    """`torch.compile` the model (DeepSpeed's `engine.compile()` under ZeRO). Off by default: on this project's
+    CPU it compiled for over a minute and stepped slower (bench/results/step_speed.json)."""
     emd: bool = True
     """The enhanced mask decoder in the MLM (DeBERTa §3.2; the MLM objective and RTD's generator). false: the
     MLM head reads the backbone's last layer, as HF's DebertaV2ForMaskedLM does (continuing a checkpoint then
@@ -256,7 +264,7 @@ class PretrainConfig(Section):
 
     HOW: ClassVar[frozenset[str]] = frozenset({"log_interval", "eval_interval", "eval_batches", "ckpt_interval",
                                                "max_failures", "cpus_per_worker", "placement_strategy", "init",
-                                               "generator_init"})
+                                               "generator_init", "compile"})
     """`init` and `generator_init` name where the weights come from; their digests are the stage's inputs."""
 
     def check(self) -> None:
@@ -270,6 +278,9 @@ class PretrainConfig(Section):
         _check(self.max_failures >= 0, f"pretrain.max_failures={self.max_failures}: must be >= 0")
         _check(self.placement_strategy in PLACEMENTS,
                f"pretrain.placement_strategy={self.placement_strategy!r}: use one of {', '.join(PLACEMENTS)}")
+        _check(self.precision in PRECISIONS, f"pretrain.precision={self.precision!r}: use one of {', '.join(PRECISIONS)}")
+        _check(not (self.use_gpu and self.precision == "fp32"),
+               "pretrain.precision=fp32 with pretrain.use_gpu=true: GPUs train in DeepSpeed's bf16; use auto or bf16")
 
 
 @dataclass(frozen=True)
@@ -330,13 +341,17 @@ class FinetuneConfig(Section):
     """CPUs per trial (per worker with trainer=deepspeed)."""
     use_gpu: bool = False
     """Fine-tune on GPUs (one per trial, or per worker with trainer=deepspeed)."""
+    precision: str = "auto"
+    """As pretrain.precision, for the trials."""
+    compile: bool = False
+    """As pretrain.compile, for the trials."""
     max_failures: int = 2
     """Retries of a trial whose process, worker or node dies (Tune's `FailureConfig`, the one level that retries:
     a DeepSpeed trial's Ray Train run has none of its own, so a lost worker fails the trial and Tune restarts it).
     A torch trial resumes from its newest epoch checkpoint, a DeepSpeed trial from scratch; -1 retries forever."""
 
     HOW: ClassVar[frozenset[str]] = frozenset({"task", "init", "max_concurrent_trials", "cpus_per_trial",
-                                               "max_failures"})
+                                               "max_failures", "compile"})
     """`task` and `init` name where the examples and the checkpoint come from; their own ids (digests) are the
     stage's inputs, so one checkpoint reached by two paths is one artifact."""
 
@@ -356,6 +371,7 @@ class FinetuneConfig(Section):
         _check(self.max_train_examples is None or self.max_train_examples >= 1,
                f"finetune.max_train_examples={self.max_train_examples}: must be >= 1 (or none for all)")
         _check(self.max_failures >= -1, f"finetune.max_failures={self.max_failures}: must be >= 0 (or -1: no limit)")
+        _check(self.precision in PRECISIONS, f"finetune.precision={self.precision!r}: use one of {', '.join(PRECISIONS)}")
         check_finetune_trainer(self)
 
 

@@ -63,6 +63,15 @@ def _full_rows(key_len: int, device: str, cfg: DebertaConfig) -> tuple[int, int,
     return lo, hi, (rows - lo).unsqueeze(0)
 
 
+@functools.lru_cache(maxsize=32)
+def _delta_rows(key_len: int, device: str, cfg: DebertaConfig) -> torch.Tensor:
+    """(2 Tk - 1,) int32: the table row (minus the first reachable one) of distance i - j = t - (Tk - 1) at index t,
+    the layout the fused kernels read (`deberta.fused_attention`)."""
+    delta = torch.arange(-(key_len - 1), key_len, device=device)
+    rows = relative_index(delta, cfg)
+    return (rows - int(rows.min())).to(torch.int32).contiguous()
+
+
 @dataclass
 class RelativeContext:
     """Per-forward relative-position state shared by all layers (built once by the encoder).
@@ -193,6 +202,21 @@ class DisentangledSelfAttention(nn.Module):
         b, _, tq, _ = out.shape
         return out.transpose(1, 2).reshape(b, tq, self.num_heads * self.head_dim)  # (B, nh, Tq, d) -> (B, Tq, H)
 
+    def fused(self, hidden: torch.Tensor, ks: KeyState, rel: RelativeContext) -> torch.Tensor:
+        """attn_impl="fused": the disentangled-flash kernels on every query position (self-attention)."""
+        from deberta import fused_attention
+
+        reason = fused_attention.unavailable_reason(hidden.device)
+        if reason is not None:
+            raise RuntimeError(f"attn_impl='fused' {reason}; use attn_impl='sdpa'")
+        q = self._heads(self.query_proj(hidden))  # (B, nh, T, d)
+        out = fused_attention.attend(  # the position tables unscaled: the kernel applies the scale to every term
+            q, ks.k, ks.v, ks.pos_k / self.scale, ks.pos_q / self.scale,
+            _delta_rows(rel.key_len, str(hidden.device), self.cfg), ks.key_mask, self.scale,
+            self.attn_dropout_p if self.training else 0.0)
+        b, _, t, _ = out.shape
+        return out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)  # (B, nh, T, d) -> (B, T, H)
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -204,6 +228,8 @@ class DisentangledSelfAttention(nn.Module):
         """hidden (B, T, H) gives keys/values; queries from query_states (B, Mq, H) (default: hidden) at
         query_pos (B, Mq) (default: 0..Mq-1). Returns (B, Mq, H)."""
         ks = self.prepare_keys(hidden, key_mask, rel)
+        if self.cfg.attn_impl == "fused" and query_states is None and query_pos is None:
+            return self.fused(hidden, ks, rel)
         q = self._heads(self.query_proj(hidden if query_states is None else query_states))  # (B, nh, Mq, d)
         bias, _ = self.relative_bias(q, ks, rel, query_pos)
         return self.attend(q, ks, bias)

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-ATTN_IMPLS = ("sdpa", "math")
+ATTN_IMPLS = ("sdpa", "math", "fused")
 SHARE_LAYERS = ("none", "all", "attention", "ffn")
 """Cross-layer parameter sharing (ALBERT §3.1 and its Table 5 ablation): one set of weights for every layer
 ("all"), for every layer's attention block only ("attention") or feed-forward block only ("ffn")."""
@@ -126,7 +126,9 @@ class DebertaConfig:
 
     attn_impl: str = "sdpa"
     """"sdpa": c2p+p2c as an additive bias to torch's fused scaled_dot_product_attention;
-    "math": the same equation written out (softmax(QK^T*s + bias) V), kept as the exact fallback."""
+    "math": the same equation written out (softmax(QK^T*s + bias) V), kept as the exact fallback; "fused": the
+    disentangled-flash package's Triton kernels (CUDA only, `deberta.fused_attention`; the EMD's masked-position
+    pass stays on sdpa)."""
 
     HOW: ClassVar[frozenset[str]] = frozenset({"attn_impl"})
 

@@ -8,7 +8,8 @@ nothing else calls `deepspeed.initialize`. The pieces are the same for every cal
 - One schedule, the reference linear one (HF `get_linear_schedule_with_warmup`): with s the number of optimizer
   steps taken so far (0 for the first), lr_s = peak * s / W for s < W, then peak * (T - s) / (T - W), never < 0.
   It is a client `LambdaLR` in both backends; DeepSpeed steps it at every accumulation boundary.
-- Gradient clipping by global norm; bf16 on GPU (DeepSpeed's bf16 optimizer), fp32 on CPU (gloo).
+- Gradient clipping by global norm; bf16 on GPU (DeepSpeed's bf16 optimizer); on CPU fp32, or a bf16 autocast
+  forward pass over fp32 weights and gradients (`training.precision` decides which).
 
 `Engine` gives loops one interface (`engine(**batch)`, `backward`, `step`, `lr`, `grad_norm`, `save_weights`)
 whichever backend is underneath. Distribution is applied here, from outside the model library.
@@ -97,9 +98,19 @@ class Engine:
                (it accumulates and only updates at the boundary).
     """
 
-    def __init__(self, model: nn.Module, optimizer, scheduler, spec: OptimSpec, ds_engine=None):
+    def __init__(self, model: nn.Module, optimizer, scheduler, spec: OptimSpec, ds_engine=None,
+                 autocast: torch.dtype | None = None, compile: bool = False):
         self.model, self.optimizer, self.scheduler, self.spec, self.ds = model, optimizer, scheduler, spec, ds_engine
+        self.autocast = autocast
+        """The dtype the forward pass runs in under `torch.autocast` (bf16 on CPU), or None."""
         self._grad_norm: float | None = None
+        self._forward = self.ds if self.ds is not None else self.model
+        if compile:  # the module keeps its own parameter names: checkpoints and exports read `module`, not this
+            if self.ds is not None:
+                self.ds.compile()
+            else:
+                self._forward = torch.compile(self.model)
+        self.compiled = compile
 
     @property
     def module(self) -> nn.Module:
@@ -111,11 +122,23 @@ class Engine:
         return self.ds.device if self.ds is not None else next(self.model.parameters()).device
 
     def __call__(self, *args, **kwargs):
-        return (self.ds if self.ds is not None else self.model)(*args, **kwargs)
+        if self.autocast is None:
+            return self._forward(*args, **kwargs)
+        with torch.autocast(self.device.type, dtype=self.autocast):  # fp32 weights; the loss computed inside
+            return self._forward(*args, **kwargs)
+
+    @property
+    def precision(self) -> str:
+        """What the forward pass computes in, as the run logs it."""
+        if self.autocast is not None:
+            return f"{str(self.autocast).removeprefix('torch.')} autocast"
+        if self.ds is not None and self.ds.bfloat16_enabled():
+            return "bf16 (DeepSpeed)"
+        return "fp32"
 
     def __getattr__(self, name: str):
         # model attributes (e.g. `regression`, `embed_for_sift`) reached through the engine, as DeepSpeed does
-        if name in ("model", "ds"):
+        if name in ("model", "ds", "_forward"):
             raise AttributeError(name)
         return getattr(self.module, name)
 
@@ -273,7 +296,8 @@ def construct(make_model: Callable[[], nn.Module], ds_config: DeepSpeedConfig,
     return model
 
 
-def deepspeed_engine(model: nn.Module, spec: OptimSpec, ds_config: DeepSpeedConfig, fused: bool = False) -> Engine:
+def deepspeed_engine(model: nn.Module, spec: OptimSpec, ds_config: DeepSpeedConfig, fused: bool = False,
+                     autocast: torch.dtype | None = None, compile: bool = False) -> Engine:
     """`deepspeed.initialize` around a `construct`ed model and its client AdamW + schedule."""
     import deepspeed
 
@@ -283,15 +307,17 @@ def deepspeed_engine(model: nn.Module, spec: OptimSpec, ds_config: DeepSpeedConf
     # it moves and copies the shards into its flat buffers; glibc would keep the pages they leave
     # (measured: 0.3-0.4 GiB of a rank of a 335M-parameter model)
     heap_trimmer()()
-    return Engine(model, optimizer, scheduler, spec, ds_engine)
+    return Engine(model, optimizer, scheduler, spec, ds_engine, autocast=autocast, compile=compile)
 
 
 def build(make_model: Callable[[], nn.Module], spec: OptimSpec, *, ds_config: DeepSpeedConfig | None = None,
           backend: str = "gloo", device: torch.device | str = "cpu", seed: int | None = None,
           init_module: Callable[[nn.Module], None] | None = None,
-          weights: Mapping[str, torch.Tensor] | None = None) -> Engine:
+          weights: Mapping[str, torch.Tensor] | None = None,
+          autocast: torch.dtype | None = None, compile: bool = False) -> Engine:
     """Build the model (seeded, so every rank starts from the same weights), load `weights` into it (e.g. the
-    pretrained backbone of a fine-tuning trial), and wrap it in its engine.
+    pretrained backbone of a fine-tuning trial), and wrap it in its engine. `autocast`: the forward pass's dtype
+    under `torch.autocast` (`training.precision`); `compile`: `torch.compile` (DeepSpeed's `engine.compile()`).
 
     `ds_config` None: a plain torch engine on `device`. Otherwise DeepSpeed on the process group `backend`
     (nccl/gloo) describes (`construct`, then `deepspeed_engine`); under ZeRO-3 the model is built inside
@@ -307,9 +333,10 @@ def build(make_model: Callable[[], nn.Module], spec: OptimSpec, *, ds_config: De
             _load(model, weights)
         model = model.to(device)
         optimizer, scheduler = make_optimizer(model, spec, fused=fused)
-        return Engine(model, optimizer, scheduler, spec)
+        return Engine(model, optimizer, scheduler, spec, autocast=autocast, compile=compile)
     init_distributed(backend)
-    return deepspeed_engine(construct(make_model, ds_config, init_module, weights), spec, ds_config, fused)
+    return deepspeed_engine(construct(make_model, ds_config, init_module, weights), spec, ds_config, fused,
+                            autocast=autocast, compile=compile)
 
 
 def consolidated_state_dict(checkpoint_dir: Path, tag: str, ds_config: DeepSpeedConfig) -> dict[str, torch.Tensor]:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from training.checkpoint_files import storage_fs
+from training import precision
 from training.engine import Engine, OptimSpec, build
 from deberta import checkpoint
 from deberta.config import DebertaConfig
@@ -90,8 +91,12 @@ def trial_engine(setup: TrialSetup, config: dict[str, Any], weights: dict[str, t
     if missing:
         raise StageInputError(f"pretrained weights do not fit the model: {len(missing)} tensors missing, "
                               f"e.g. {missing[:3]}")
+    ft = setup.ft
+    deepspeed = engine_kw.get("ds_config") is not None
+    arithmetic = precision.resolve(ft.precision, ft.use_gpu, setup.model.hidden_size)
     return build(lambda: build_classifier(setup, config), spec, weights=weights,
-                 init_module=lambda m: init_weights(m, setup.model), **engine_kw)
+                 init_module=lambda m: init_weights(m, setup.model), compile=ft.compile,
+                 autocast=precision.autocast_dtype(arithmetic, ft.use_gpu, deepspeed), **engine_kw)
 
 
 def epoch_batches(n: int, batch_size: int, rng: np.random.Generator, world: int = 1) -> list[np.ndarray]:

@@ -35,6 +35,7 @@ from stages.pretrain.continued import SafetensorsFile
 from stages.pretrain.objective import Objective, Sums
 from stages.pretrain.rank_zero import RankZero
 from stages.segment_pairs import SOP_COLUMN
+from training import precision
 from training.deepspeed_config import DeepSpeedConfig
 from training.engine import Engine, OptimSpec, build
 
@@ -164,8 +165,10 @@ def build_engine(job: LoopJob, use_gpu: bool) -> Engine:
         torch.cuda.set_device(ray.train.torch.get_device())  # the GPU Ray assigned to this worker
     factory, init_module = job.objective.build_model(job.model)
     weights = SafetensorsFile(job.init_weights) if job.init_weights else None
+    arithmetic = precision.resolve(job.cfg.precision, use_gpu, job.model.hidden_size)
     return build(factory, optim_spec(job.cfg), ds_config=job.ds_config, backend="nccl" if use_gpu else "gloo",
-                 seed=job.cfg.seed, init_module=init_module, weights=weights)
+                 seed=job.cfg.seed, init_module=init_module, weights=weights,
+                 autocast=precision.autocast_dtype(arithmetic, use_gpu, deepspeed=True), compile=job.cfg.compile)
 
 
 def micro_batches(job: LoopJob, rank: int, world: int, state: TrainState) -> Iterator[tuple[int, int, dict]]:
@@ -303,7 +306,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     masker = job.masker()
     nodes = worker_nodes(world)
     rank0.print(f"{objective.name} objective, {world} workers on {len(set(nodes))} node(s), ZeRO-{cfg.zero_stage}, "
-                f"{'bf16 GPU' if cfg.use_gpu else 'fp32 CPU'}, accumulation {accum}; config "
+                f"{'GPU' if cfg.use_gpu else 'CPU'} {engine.precision}{', compiled' if engine.compiled else ''}, "
+                f"attention {job.model.attn_impl}, accumulation {accum}; config "
                 + json.dumps({"pretrain": asdict(cfg), "deepspeed": job.ds_config.to_dict()}, sort_keys=True))
     state = restore(engine, rank0, rank, world, job.run_dir)
     val_batches = validation_batches(job, rank, world)

@@ -30,7 +30,17 @@ def objective_for(cfg: PretrainConfig) -> Objective:
 
 
 def check_config(cfg: PretrainConfig, model: DebertaConfig) -> None:
-    """The objective's own settings, alone and against the [model] section; run with `validate`, before any stage."""
+    """The objective's own settings, alone and against the [model] section, and the attention backend against the
+    devices; run with `validate`, before any stage."""
     problems = objective_for(cfg).check(model)
+    if model.attn_impl == "fused":
+        import importlib.util
+
+        if not cfg.use_gpu:
+            problems.append("model.attn_impl=fused runs on CUDA GPUs only: set pretrain.use_gpu=true, or "
+                            "model.attn_impl=sdpa")
+        elif importlib.util.find_spec("disentangled_flash") is None:
+            problems.append("model.attn_impl=fused needs the disentangled-flash package (pip install -e '.[fused]'); "
+                            "or model.attn_impl=sdpa")
     if problems:
         raise ConfigError("; ".join(problems))

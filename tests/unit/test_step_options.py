@@ -1,0 +1,114 @@
+"""The step's options (training.precision, training.engine, deberta.fused_attention): what is asked for is what runs,
+or the run refuses; nothing falls back silently."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from core.config import ConfigError, PretrainConfig
+from deberta.config import debug
+from deberta.model import DebertaForMaskedLM
+from stages.pretrain.objectives import check_config
+from training import precision
+from training.engine import OptimSpec, build
+
+SPEC = OptimSpec(lr=1e-3, warmup_steps=0, total_steps=10)
+
+
+def _batch(cfg, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, cfg.vocab_size, (2, 16), generator=g)  # (B, T)
+    labels = torch.full_like(ids, -100)
+    labels[:, ::4] = ids[:, ::4]
+    return ids, torch.ones_like(ids), labels
+
+
+def _note(seen: dict, out: torch.Tensor) -> None:
+    """A forward hook's body: the first output dtype seen (returning None leaves the output as it is)."""
+    seen.setdefault("activation", out.dtype)
+
+
+def _step_dtypes(engine, cfg) -> dict[str, torch.dtype]:
+    """One training step; the dtype of a feed-forward output inside it, and of the weights and gradients after."""
+    seen = {}
+    dense = engine.module.deberta.encoder.layer[0].intermediate.dense
+    handle = dense.register_forward_hook(lambda m, i, out: _note(seen, out))
+    out = engine(*_batch(cfg))
+    handle.remove()
+    engine.backward(out["loss"])
+    seen["grad"], seen["weight"] = dense.weight.grad.dtype, dense.weight.dtype
+    engine.step()
+    return seen
+
+
+def test_precision_auto_takes_bf16_on_gpu_and_on_cpu_only_where_measured_faster():
+    assert precision.resolve("auto", use_gpu=True, hidden_size=64) == "bf16"
+    assert precision.resolve("auto", use_gpu=False, hidden_size=64) == "fp32"
+    wide = "bf16" if precision.cpu_has_bf16() else "fp32"
+    assert precision.resolve("auto", use_gpu=False, hidden_size=precision.AUTO_CPU_MIN_HIDDEN) == wide
+    assert precision.resolve("bf16", use_gpu=False, hidden_size=64) == "bf16"  # asked for: never overruled
+    assert precision.resolve("fp32", use_gpu=False, hidden_size=4096) == "fp32"
+    assert precision.autocast_dtype("bf16", use_gpu=True, deepspeed=True) is None  # DeepSpeed's bf16 weights
+    assert precision.autocast_dtype("bf16", use_gpu=False, deepspeed=True) == torch.bfloat16
+
+
+@pytest.mark.parametrize("asked, activation", [("bf16", torch.bfloat16), ("fp32", torch.float32)])
+def test_the_torch_engine_computes_in_the_asked_precision_over_fp32_weights(asked, activation):
+    cfg = debug(vocab_size=300)
+    engine = build(lambda: DebertaForMaskedLM(cfg), SPEC, seed=0,
+                   autocast=precision.autocast_dtype(asked, use_gpu=False, deepspeed=False))
+    assert _step_dtypes(engine, cfg) == {"activation": activation, "grad": torch.float32, "weight": torch.float32}
+    assert engine.precision == ("bfloat16 autocast" if asked == "bf16" else "fp32")
+
+
+def test_the_deepspeed_engine_computes_in_bf16_when_asked_with_fp32_gradients(tmp_path, monkeypatch):
+    """One gloo rank, ZeRO-2: the forward pass in bf16, the gradients DeepSpeed reduces and the master weights fp32."""
+    from tests.conftest import free_port
+    from training.deepspeed_config import DeepSpeedConfig
+
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0",
+                 "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(k, v)
+    cfg = debug(vocab_size=300)
+    ds = DeepSpeedConfig(train_batch=2, micro=2, accumulation=1, grad_clip=1.0, zero_stage=2, use_gpu=False)
+    engine = build(lambda: DebertaForMaskedLM(cfg), SPEC, ds_config=ds, seed=0,
+                   autocast=precision.autocast_dtype("bf16", use_gpu=False, deepspeed=True))
+    try:
+        seen = {}
+        dense = engine.module.deberta.encoder.layer[0].intermediate.dense
+        handle = dense.register_forward_hook(lambda m, i, out: _note(seen, out))
+        out = engine(*_batch(cfg))
+        handle.remove()
+        engine.backward(out["loss"])
+        engine.step()
+        assert seen["activation"] == torch.bfloat16 and dense.weight.dtype == torch.float32
+        assert all(p.dtype == torch.float32 for g in engine.optimizer.param_groups for p in g["params"])
+        assert engine.precision == "bfloat16 autocast"
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_compile_asked_for_is_what_the_engine_steps():
+    """The engine's forward is the compiled module (compiling happens at the first call, measured in bench/); the
+    module it saves keeps the model's own parameter names."""
+    cfg = debug(vocab_size=300)
+    engine = build(lambda: DebertaForMaskedLM(cfg), SPEC, seed=0, compile=True)
+    assert isinstance(engine._forward, torch._dynamo.eval_frame.OptimizedModule) and engine.compiled
+    assert engine._forward._orig_mod is engine.module
+    assert not any(k.startswith("_orig_mod") for k in engine.module.state_dict())
+    plain = build(lambda: DebertaForMaskedLM(cfg), SPEC, seed=0)
+    assert plain._forward is plain.module and not plain.compiled
+
+
+def test_the_fused_backend_refuses_where_it_cannot_run():
+    """attn_impl=fused on a CPU: the config check names the fix before any stage, and the model itself refuses
+    rather than running another backend under the fused name."""
+    cfg = debug(vocab_size=300, attn_impl="fused")
+    with pytest.raises(ConfigError, match="model.attn_impl=fused runs on CUDA GPUs only: set pretrain.use_gpu=true"):
+        check_config(PretrainConfig(), cfg)
+    check_config(PretrainConfig(), debug(vocab_size=300))  # sdpa: nothing to say
+    with pytest.raises(RuntimeError, match="attn_impl='fused' needs a CUDA device"):
+        DebertaForMaskedLM(cfg)(*_batch(cfg))
