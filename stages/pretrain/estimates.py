@@ -1,5 +1,5 @@
 """`--dry-run` for the pretrain stage: the run on paper - parameters, ZeRO-2/3 model-state memory per GPU
-(DeepSpeed's own estimators), tokens per step, compute and time at an assumed utilisation.
+(DeepSpeed's own estimators), tokens per step, compute and time at the utilisation last measured on a GPU.
 """
 
 from __future__ import annotations
@@ -19,8 +19,13 @@ if TYPE_CHECKING:
 
 PLAN_GPUS_PER_NODE = 8
 PLAN_DEVICE = "H100"
-PLAN_MFU = 0.40
-"""Assumptions: 8 GPUs per node, H100 bf16 dense peak (deberta.flops), 40% model-FLOPs utilisation."""
+"""Assumptions: 8 GPUs per node, the H100's bf16 dense peak (deberta.flops; the H200's is the same)."""
+PLAN_MFU = 0.0860
+"""Model-FLOPs utilisation of the step, measured rather than assumed: the latest GPU measurement of the pipeline's
+own step (tests/unit/test_step_options.py checks this value against the file)."""
+PLAN_MFU_SOURCE = ("bench/results/h200/train_step_1.5b.json", "deepspeed")
+"""Where PLAN_MFU was measured: the file, and the mode of its `results` row (the 1.5B, DeepSpeed ZeRO-2, bf16,
+8 x 512 tokens per GPU, one H200)."""
 
 
 def largest_layer_params(objective: Objective, model: "DebertaConfig") -> int:
@@ -75,7 +80,8 @@ def dry_run(cfg: PretrainConfig, model: DebertaConfig) -> str:
         f"{tokens:,} tokens/step; micro {cfg.micro_batch_size} x accumulation {accum} x {cfg.num_workers} workers",
         f"  compute: {flops_tok / 1e9:.3g} GFLOP/token for training (deberta.flops: 3 x forward incl. attention "
         f"and EMD{objective.flops_note}) = {tokens * flops_tok / 1e15:.3g} PFLOP/step",
-        f"  at {PLAN_MFU:.0%} MFU of {peak / 1e12:.0f} TFLOP/s bf16 per {PLAN_DEVICE}: {step_s:.3g} s/step, "
+        f"  at {PLAN_MFU:.1%} MFU (measured: {PLAN_MFU_SOURCE[0]}) of {peak / 1e12:.0f} TFLOP/s bf16 per "
+        f"{PLAN_DEVICE}: {step_s:.3g} s/step, "
         f"{cfg.max_steps:,} steps = {cfg.max_steps * step_s / 86400:.3g} days "
         f"({tokens * cfg.max_steps / 1e9:,.1f}B tokens)",
         f"  model states per GPU without offload: ZeRO-2 {zero2 / 2**30:.2f} GiB, ZeRO-3 {zero3 / 2**30:.2f} GiB "

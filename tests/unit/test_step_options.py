@@ -112,3 +112,15 @@ def test_the_fused_backend_refuses_where_it_cannot_run():
     check_config(PretrainConfig(), debug(vocab_size=300))  # sdpa: nothing to say
     with pytest.raises(RuntimeError, match="attn_impl='fused' needs a CUDA device"):
         DebertaForMaskedLM(cfg)(*_batch(cfg))
+
+
+def test_the_dry_run_plans_at_the_utilisation_last_measured_on_a_gpu():
+    import json
+    from pathlib import Path
+
+    from stages.pretrain import estimates
+
+    path, mode = estimates.PLAN_MFU_SOURCE
+    report = json.loads((Path(__file__).resolve().parents[2] / path).read_text())
+    (row,) = [r for r in report["results"] if r["mode"] == mode]
+    assert estimates.PLAN_MFU == pytest.approx(row["mfu"], abs=5e-5)
