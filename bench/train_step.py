@@ -44,7 +44,7 @@ MODES = ("deepspeed", "torch")
 
 
 def build_config(args: argparse.Namespace) -> DebertaConfig:
-    kw = {"vocab_size": args.vocab} | ({"num_hidden_layers": args.layers} if args.layers else {})
+    kw = {"vocab_size": args.vocab, "attn_impl": args.attn} | ({"num_hidden_layers": args.layers} if args.layers else {})
     return like(args.like, **kw)
 
 
@@ -78,7 +78,7 @@ def _deepspeed_step(args: argparse.Namespace, cfg: DebertaConfig):
     pcfg = _pretrain_config(args)
     engine = build(lambda: DebertaForMaskedLM(cfg), _optim_spec(pcfg),
                    ds_config=build_deepspeed_config(pcfg, 1, use_gpu=cuda), backend="nccl" if cuda else "gloo",
-                   seed=pcfg.seed, init_module=lambda m: init_weights(m, cfg))
+                   seed=pcfg.seed, init_module=lambda m: init_weights(m, cfg), compile=args.compile)
     engine.train()
     precision = "bf16 weights, fp32 master copy" if cuda else "fp32"
 
@@ -97,7 +97,8 @@ def _torch_step(args: argparse.Namespace, cfg: DebertaConfig):
 
     pcfg = _pretrain_config(args)
     cuda = args.device == "cuda"
-    engine = build(lambda: DebertaForMaskedLM(cfg), _optim_spec(pcfg), device=args.device, seed=pcfg.seed)
+    engine = build(lambda: DebertaForMaskedLM(cfg), _optim_spec(pcfg), device=args.device, seed=pcfg.seed,
+                   compile=args.compile)
     engine.train()
     precision = "fp32 weights, bf16 autocast" if cuda else "fp32"
 
@@ -150,7 +151,8 @@ def worker(args: argparse.Namespace) -> dict:
     fl = flops.train_flops_per_token(cfg, args.seq, "mlm")
     peak = flops.peak_flops(torch.cuda.get_device_name(), "bf16") if cuda else None
     med = statistics.median(times)
-    return {"mode": args.mode, "zero": args.zero[0] if args.mode == "deepspeed" else None,
+    return {"mode": args.mode, "zero": args.zero[0] if args.mode == "deepspeed" else None, "like": args.like,
+            "attn": args.attn, "compiled": args.compile,
             "step_s_median": med, "step_s_min": min(times),
             "tokens_per_s": tokens / med, "mfu": flops.mfu(tokens / med, fl, peak) if peak else None,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "precision": precision,
@@ -162,6 +164,7 @@ def _spawn(args: argparse.Namespace, mode: str, zero: int) -> dict:
     argv = ["--worker", "--mode", mode, "--zero", str(zero)]
     for k in ("like", "layers", "vocab", "seq", "micro", "steps", "warmup", "port", "device", "lr", "lr_warmup"):
         argv += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    argv += ["--attn", args.attn] + (["--compile"] if args.compile else [])
     if args.profile:
         argv += ["--profile", str(args.profile)]
     try:
@@ -211,6 +214,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--lr", type=float, default=2e-4, help="peak lr of both sides (DeBERTa Table 8's base lr)")
     p.add_argument("--lr-warmup", type=int, default=1, help="linear warmup steps from lr 0, both sides")
+    p.add_argument("--attn", choices=["sdpa", "math", "fused"], default="sdpa",
+                   help="model.attn_impl: fused = disentangled-flash's Triton kernels (CUDA)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (DeepSpeed: engine.compile())")
     p.add_argument("--port", type=int, default=29531)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: a smoke run of the code path only (fp32, gloo; no MFU or memory figures)")
