@@ -188,8 +188,10 @@ class DisentangledSelfAttention(nn.Module):
     def attend(self, q: torch.Tensor, ks: KeyState, bias: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(3d) + bias) v with the key padding mask; returns (B, Tq, H)."""
         if ks.key_mask is not None:
-            # fill (not add) with the dtype minimum, as the references do; padded keys get zero weight
-            bias = bias.masked_fill_(~ks.key_mask[:, None, None, :], torch.finfo(bias.dtype).min)
+            # fill (not add) with the dtype minimum, as the references do; padded keys get zero weight.
+            # A (B, 1, Mq, Tk) mask (documents of a packed row, `deberta.model.document_mask`) is used as it is
+            allowed = ks.key_mask if ks.key_mask.dim() == 4 else ks.key_mask[:, None, None, :]
+            bias = bias.masked_fill_(~allowed, torch.finfo(bias.dtype).min)
         dropout_p = self.attn_dropout_p if self.training else 0.0
         if self.cfg.attn_impl == "sdpa":
             out = F.scaled_dot_product_attention(q, ks.k, ks.v, attn_mask=bias, dropout_p=dropout_p, scale=self.scale)
@@ -209,6 +211,8 @@ class DisentangledSelfAttention(nn.Module):
         reason = fused_attention.unavailable_reason(hidden.device)
         if reason is not None:
             raise RuntimeError(f"attn_impl='fused' {reason}; use attn_impl='sdpa'")
+        if ks.key_mask is not None and ks.key_mask.dim() == 4:
+            raise RuntimeError("attn_impl='fused' takes a key mask, not a document mask; use attn_impl='sdpa'")
         q = self._heads(self.query_proj(hidden))  # (B, nh, T, d)
         out = fused_attention.attend(  # the position tables unscaled: the kernel applies the scale to every term
             q, ks.k, ks.v, ks.pos_k / self.scale, ks.pos_q / self.scale,

@@ -26,6 +26,7 @@ ALBERT's parameter reductions (ALBERT §3.1, `DebertaConfig.embedding_size` / `s
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Mapping
 
@@ -252,7 +253,8 @@ class DebertaEncoder(nn.Module):
     def forward(
         self, emb: torch.Tensor, mask: torch.Tensor | None, num_layers: int | None = None
     ) -> tuple[torch.Tensor, RelativeContext]:
-        """emb (B, T, H), mask (B, T) bool or None -> (output of layer `num_layers` (default: all), rel)."""
+        """emb (B, T, H), mask (B, T) bool, (B, 1, T, T) bool (`document_mask`) or None
+        -> (output of layer `num_layers` (default: all), rel)."""
         rel = self.relative_context(emb.shape[1])
         x = emb
         for i in range(self.cfg.num_hidden_layers)[:num_layers]:
@@ -262,9 +264,30 @@ class DebertaEncoder(nn.Module):
             else:
                 x_new = layer(x, mask, rel)
             if i == 0 and self.conv is not None:
-                x_new = self.conv(emb, x_new, mask)
+                # a document mask's diagonal is the key mask (a token attends to itself unless it is padding)
+                key_mask = mask if mask is None or mask.dim() == 2 else mask[:, 0].diagonal(dim1=-2, dim2=-1)
+                x_new = self.conv(emb, x_new, key_mask)
             x = x_new
         return x, rel
+
+
+def document_mask(document_ids: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+    """(B, T) document index of each token of a packed row -> (B, 1, T, T) bool, True where query i may attend
+    key j: same document (and j a real token). Built once per forward and broadcast over heads by SDPA; relative
+    positions i - j inside a document are those of the document alone, so its states are the same as unpacked
+    (with position_biased_input=False and no conv layer: both mix positions across the row)."""
+    allowed = document_ids[:, :, None] == document_ids[:, None, :]  # (B, T, T)
+    if key_mask is not None:
+        allowed = allowed & key_mask[:, None, :]
+    return allowed.unsqueeze(1)
+
+
+def _query_rows(mask: torch.Tensor | None, query_pos: torch.Tensor) -> torch.Tensor | None:
+    """A (B, 1, T, T) document mask -> its rows at query_pos (B, Mq): (B, 1, Mq, T); a key mask passes through."""
+    if mask is None or mask.dim() == 2:
+        return mask
+    idx = query_pos[:, None, :, None].expand(-1, 1, -1, mask.shape[-1])
+    return torch.gather(mask, 2, idx)
 
 
 class DebertaModel(nn.Module):
@@ -285,8 +308,12 @@ class DebertaModel(nn.Module):
         num_layers: int | None = None,
         embedding_delta: torch.Tensor | None = None,
         word_base: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, RelativeContext]:
-        """-> (hidden after `num_layers` layers (B, T, H), key mask (B, T) bool or None, relative context).
+        """-> (hidden after `num_layers` layers (B, T, H), attention mask, relative context).
+
+        The attention mask is the key mask (B, T) bool or None, or with document_ids (B, T) (the document each
+        token of a packed row belongs to) the block-diagonal (B, 1, T, T) bool mask `document_mask` builds.
 
         word_base (B, T, E): added to the word-embedding lookup, before embed_proj and the LayerNorm (GDES,
         `deberta.rtd`).
@@ -295,8 +322,9 @@ class DebertaModel(nn.Module):
         if mask is not None and bool(mask.all()):
             mask = None  # nothing to mask (packed pretraining batches): skip the masked_fill in every layer
         emb = self.embeddings(input_ids, mask, embedding_delta, word_base)
-        hidden, rel = self.encoder(emb, mask, num_layers)
-        return hidden, mask, rel
+        attn_mask = mask if document_ids is None else document_mask(document_ids, mask)
+        hidden, rel = self.encoder(emb, attn_mask, num_layers)
+        return hidden, attn_mask, rel
 
     def forward(
         self,
@@ -304,8 +332,10 @@ class DebertaModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         embedding_delta: torch.Tensor | None = None,
         word_base: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
-        hidden, _, _ = self.encode(input_ids, attention_mask, embedding_delta=embedding_delta, word_base=word_base)
+        hidden, _, _ = self.encode(input_ids, attention_mask, embedding_delta=embedding_delta, word_base=word_base,
+                                   document_ids=document_ids)
         return {"last_hidden_state": hidden}
 
 
@@ -427,9 +457,9 @@ class DebertaForMaskedLM(nn.Module):
         self.sop_head = SentenceOrderHead(cfg) if sop else None
         self.apply(lambda m: init_weights(m, cfg))
 
-    def _forward_without_emd(self, input_ids, attention_mask, labels) -> dict[str, torch.Tensor]:
+    def _forward_without_emd(self, input_ids, attention_mask, labels, document_ids=None) -> dict[str, torch.Tensor]:
         """All L layers, then the head: HF DebertaV2ForMaskedLM's computation."""
-        hidden, _, _ = self.deberta.encode(input_ids, attention_mask)  # (B, T, H)
+        hidden, _, _ = self.deberta.encode(input_ids, attention_mask, document_ids=document_ids)  # (B, T, H)
         word = self.deberta.embeddings.word_embeddings.weight
         if labels is None:
             out = {"logits": self.lm_predictions.lm_head(hidden, word)}  # (B, T, V)
@@ -450,6 +480,7 @@ class DebertaForMaskedLM(nn.Module):
         idx = query_pos.unsqueeze(-1).expand(-1, -1, h)  # (B, Mq, H)
         query = torch.gather(hidden, 1, idx) + self.emd.position_embeddings(query_pos)  # (B, Mq, H)
         p2c = None
+        ks = dataclasses.replace(ks, key_mask=_query_rows(ks.key_mask, query_pos))
         for _ in range(2):
             query, p2c = layer.decode_pass(query, ks, rel, query_pos, p2c)
         return query
@@ -461,6 +492,7 @@ class DebertaForMaskedLM(nn.Module):
         rows = rel.rows_for(pos0[:1], self.cfg)[0, 0]  # (Tk,): table row (minus lo) of r(0, j)
         # p2c[0, j] = Kc_j . Qr[r(0, j)] as Tk dot products, not relative_bias's (Tk x R) product
         p2c = torch.einsum("bhjd,hjd->bhj", ks.k, ks.pos_q[:, rows]).unsqueeze(2)  # (B, nh, 1, Tk)
+        ks = dataclasses.replace(ks, key_mask=_query_rows(ks.key_mask, pos0))
         out, _ = layer.decode_pass(hidden[:, :1], ks, rel, pos0, p2c)
         return out[:, 0]  # (B, 1, H) -> (B, H)
 
@@ -485,16 +517,18 @@ class DebertaForMaskedLM(nn.Module):
         labels: torch.Tensor | None = None,
         sop_labels: torch.Tensor | None = None,
         use_emd: bool = True,
+        document_ids: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         if sop_labels is not None and self.sop_head is None:
             raise ValueError("DebertaForMaskedLM: sop_labels given, but the model has no sentence-order head; "
                              "build it with DebertaForMaskedLM(cfg, sop=True)")
         if self.emd is None or not use_emd:
-            out = self._forward_without_emd(input_ids, attention_mask, labels)
+            out = self._forward_without_emd(input_ids, attention_mask, labels, document_ids)
             cls_state = out.pop("cls_state")
             return out if self.sop_head is None else self._with_sop(out, cls_state, labels, sop_labels)
         # H = output of layer L-1: the last layer is only ever run inside the EMD (and for [CLS])
-        hidden, mask, rel = self.deberta.encode(input_ids, attention_mask, num_layers=self.cfg.num_hidden_layers - 1)
+        hidden, mask, rel = self.deberta.encode(input_ids, attention_mask, num_layers=self.cfg.num_hidden_layers - 1,
+                                                document_ids=document_ids)
         ks = self.deberta.encoder.last_layer.attention.self.prepare_keys(hidden, mask, rel)
         if labels is None:
             b, t = input_ids.shape
