@@ -256,11 +256,16 @@ class PretrainConfig(Section):
     and on CPUs with native bf16 where bench/results/step_speed.json measured it faster)."""
     compile: bool = False
     """`torch.compile` the model (DeepSpeed's `engine.compile()` under ZeRO). Off by default: on this project's
-    CPU it compiled for over a minute and stepped slower (bench/results/step_speed.json)."""
+    CPU it compiled for about 15 s per process and then stepped within run-to-run noise of eager
+    (bench/results/step_speed.json)."""
     emd: bool = True
     """The enhanced mask decoder in the MLM (DeBERTa §3.2; the MLM objective and RTD's generator). false: the
     MLM head reads the backbone's last layer, as HF's DebertaV2ForMaskedLM does (continuing a checkpoint then
     starts from exactly the function it was released as)."""
+    document_mask: bool = False
+    """Attention stays inside each document of a packed row (block-diagonal, from the token shards' `doc_index`
+    column; relative positions inside a document unchanged). Off by default: today's results stay as they were.
+    objective=mlm only (the RTD pair and SOP's one-document rows do not read it)."""
 
     HOW: ClassVar[frozenset[str]] = frozenset({"log_interval", "eval_interval", "eval_batches", "ckpt_interval",
                                                "max_failures", "cpus_per_worker", "placement_strategy", "init",
@@ -279,6 +284,9 @@ class PretrainConfig(Section):
         _check(self.placement_strategy in PLACEMENTS,
                f"pretrain.placement_strategy={self.placement_strategy!r}: use one of {', '.join(PLACEMENTS)}")
         _check(self.precision in PRECISIONS, f"pretrain.precision={self.precision!r}: use one of {', '.join(PRECISIONS)}")
+        _check(not self.document_mask or self.objective == "mlm",
+               f"pretrain.document_mask=true with pretrain.objective={self.objective!r}: use objective=mlm, or "
+               "document_mask=false")
         _check(not (self.use_gpu and self.precision == "fp32"),
                "pretrain.precision=fp32 with pretrain.use_gpu=true: GPUs train in DeepSpeed's bf16; use auto or bf16")
 
