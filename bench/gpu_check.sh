@@ -7,6 +7,7 @@
 #   bench.train_step              the full pretraining step side by side at 512 tokens: eager, compiled and fused
 #                                 attention; the DeepSpeed ZeRO-2 engine and plain torch AMP in each; the base, large
 #                                 and 1.5B widths; MFU in every row (step_<width>_<variant>.json)
+#                                 gathered into one gpu_check.json (a row per width, variant and engine, with MFU)
 # Results land in $OUT (or /tmp/gpu_check). Under 10 minutes: each part has its own timeout, and the step matrix
 # stops starting runs once the whole check has used 540 s (the rows it ran are kept). The fused rows need the
 # disentangled-flash wheel in .whl/ beside deepspeed's.
@@ -34,3 +35,19 @@ for LIKE in 1.5b large base; do
       --json "$O/step_${LIKE}_${VARIANT}.json" 2>"$O/step_${LIKE}_${VARIANT}.err" | tail -4
   done
 done
+# One JSON of the step matrix: a row per (width, variant, engine) with its MFU, for bench/results/<gpu>/ and the
+# dry-run plan's PLAN_MFU (stages/pretrain/estimates.py names the file and row it takes).
+python3 - "$O" <<'PY'
+import glob, json, os, sys
+out = sys.argv[1]
+rows = []
+for path in sorted(glob.glob(os.path.join(out, "step_*_*.json"))):
+    like, variant = os.path.basename(path)[len("step_"):-len(".json")].rsplit("_", 1)
+    for r in json.load(open(path)).get("results", []):
+        rows.append({"like": like, "variant": variant, "mode": r.get("mode"), "zero": r.get("zero"),
+                     "precision": r.get("precision"), "tokens_per_s": r.get("tokens_per_s"), "mfu": r.get("mfu")})
+json.dump({"command": "bash bench/gpu_check.sh", "seq": 512, "rows": rows}, open(os.path.join(out, "gpu_check.json"), "w"), indent=2)
+for r in rows:
+    mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+    print(f"{r['like']:>5} {r['variant']:>8} {r['mode']:>9} zero={r['zero']} {mfu}")
+PY
