@@ -38,6 +38,12 @@ record batches of at most BATCH_ROWS sequences, with columns
   length:    int32, tokens before the padding ([CLS] and [SEP] included), so attention masks need no scan
   doc_id:    string, the corpus document the sequence's first token comes from (provenance)
   sop_label: int8, with segment_pairs only (1 swapped, 0 in order, -100 no pair)
+  doc_index: fixed_size_list<uint16>[max_seq_len], the document of each token within its row (0 = the row's first;
+             [CLS] goes with the first, a [SEP] with the document before it, padding with the last; all 0 for
+             segment pairs), so pretraining can keep attention inside documents (`pretrain.document_mask`). Always
+             recorded, whatever pretraining asks: one token artifact serves both settings, and the pretrain option
+             does not reach into this stage's config (and id). uint16: a document takes at least 2 tokens (its
+             [SEP]), so a row holds at most max_seq_len / 2 of them. Shards written before it lack the column.
 Shard i of corpus row group u is <split>/part-<u>-<i>.arrow (at most `rows_per_shard` sequences): the files in
 name order are the split in corpus order, and a sequence's index (what a pretraining permutation draws) is its
 position there. The same inputs give the same files. tokens.json (per split: documents, sequences, tokens,
@@ -65,7 +71,8 @@ if TYPE_CHECKING:
     from core.artifacts import Artifact
     from core.config import TokenizeConfig
 
-VERSION = "6"
+VERSION = "7"
+DOC_INDEX_COLUMN = "doc_index"
 
 SUMMARY_FILE = "tokens.json"
 BATCH_ROWS = 1024  # sequences per Arrow record batch: 2 MiB of ids at 512 tokens
@@ -101,15 +108,35 @@ def pack(docs: Sequence[Sequence[int]], max_seq_len: int, cls_id: int, sep_id: i
     return rows, lengths, first_doc
 
 
+def row_documents(docs: Sequence[Sequence[int]], max_seq_len: int) -> np.ndarray:
+    """(n, max_seq_len) uint16: for the rows `pack` makes of `docs`, each token's document counted from the row's
+    first (the `doc_index` column; see the module docstring)."""
+    sizes = np.array([len(d) for d in docs], dtype=np.int64)
+    kept = sizes[sizes > 0]
+    if not len(kept):
+        return np.empty((0, max_seq_len), dtype=np.uint16)
+    width = max_seq_len - 2
+    stream = np.repeat(np.arange(len(kept)), kept + 1)[:-1]  # (T,) document of each stream token, [SEP]s included
+    n = -(-len(stream) // width)
+    content = np.full(n * width, stream[-1])  # the last window's padding goes with the last document
+    content[:len(stream)] = stream
+    content = content.reshape(n, width)
+    out = np.concatenate([content[:, :1], content, content[:, -1:]], axis=1)  # [CLS] and [SEP] frame each window
+    return (out - out[:, :1]).astype(np.uint16)
+
+
 def to_table(rows: np.ndarray, lengths: np.ndarray, doc_ids: Sequence[str],
-             sop_labels: np.ndarray | None = None) -> pa.Table:
+             sop_labels: np.ndarray | None = None, doc_index: np.ndarray | None = None) -> pa.Table:
     """(n, L) uint32 rows -> the output schema: input_ids fixed_size_list<uint32>[L], length int32, doc_id string
-    (and with segment pairs sop_label int8)."""
+    (and with segment pairs sop_label int8; with doc_index (n, L) the doc_index column)."""
     ids = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1), type=pa.uint32()), rows.shape[1])
     columns = {"input_ids": ids, "length": pa.array(lengths, type=pa.int32()),
                "doc_id": pa.array(doc_ids, type=pa.string())}
     if sop_labels is not None:
         columns[SOP_COLUMN] = pa.array(sop_labels, type=pa.int8())
+    if doc_index is not None:
+        columns[DOC_INDEX_COLUMN] = pa.FixedSizeListArray.from_arrays(
+            pa.array(doc_index.reshape(-1), type=pa.uint16()), rows.shape[1])
     return pa.table(columns)
 
 
@@ -171,8 +198,9 @@ class PackDocuments:
         packed = [pack(ids[s:s + size], self.max_seq_len, self.tok.cls_id, self.tok.sep_id, self.tok.pad_id)
                   for s in range(0, len(ids), size)]
         first = np.concatenate([p[2] + s for p, s in zip(packed, range(0, len(ids), size))])
+        doc_index = np.concatenate([row_documents(ids[s:s + size], self.max_seq_len) for s in range(0, len(ids), size)])
         return to_table(np.concatenate([p[0] for p in packed]), np.concatenate([p[1] for p in packed]),
-                        doc_ids.take(pa.array(first)))
+                        doc_ids.take(pa.array(first)), doc_index=doc_index)
 
     def pair_table(self, doc_ids: list[str], ids: list[np.ndarray]) -> pa.Table:
         """tokenize.segment_pairs: every document's sentence-order pairs (`stages.segment_pairs`), one per row."""
@@ -181,7 +209,8 @@ class PackDocuments:
                  for doc_id, d in zip(doc_ids, ids)]
         rows, lengths, labels = (np.concatenate([p[i] for p in parts]) for i in range(3))
         owners = [doc_id for doc_id, p in zip(doc_ids, parts) for _ in range(len(p[1]))]
-        return to_table(rows.reshape(-1, self.max_seq_len), lengths, owners, labels)
+        rows = rows.reshape(-1, self.max_seq_len)
+        return to_table(rows, lengths, owners, labels, doc_index=np.zeros(rows.shape, dtype=np.uint16))
 
     def tokenize_unit(self, split: str, path: str, row_group: int,
                       unit: int) -> Iterator[tuple[str, int, int, float]]:

@@ -43,6 +43,10 @@ class Sequences:
             reader = pa.ipc.open_file(pa.memory_map(str(path)))
             for b in range(reader.num_record_batches):
                 batch = reader.get_batch(b)
+                missing = [name for name in self.columns if batch.schema.get_field_index(name) < 0]
+                if missing:  # shards tokenized before a column existed (doc_index: tokenize version 7)
+                    raise RuntimeError(f"{path} has no column {', '.join(missing)}; re-run the tokenize stage "
+                                       "(--force tokenize) to write it")
                 self.chunks.append({name: _numpy(batch.column(name)) for name in self.columns})
                 sizes.append(batch.num_rows)
         self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # (chunks + 1,) first row of each

@@ -35,6 +35,7 @@ from stages.pretrain.continued import SafetensorsFile
 from stages.pretrain.objective import Objective, Sums
 from stages.pretrain.rank_zero import RankZero
 from stages.segment_pairs import SOP_COLUMN
+from stages.tokenize import DOC_INDEX_COLUMN
 from training import precision
 from training.deepspeed_config import DeepSpeedConfig
 from training.engine import Engine, OptimSpec, build
@@ -57,6 +58,8 @@ def to_batch(columns: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     batch = {"input_ids": torch.from_numpy(columns["input_ids"].astype(np.int64))}  # (B, T)
     if SOP_COLUMN in columns:
         batch["sop_labels"] = torch.from_numpy(np.asarray(columns[SOP_COLUMN]).astype(np.int64))  # (B,)
+    if DOC_INDEX_COLUMN in columns:  # pretrain.document_mask: each token's document within its row
+        batch["document_ids"] = torch.from_numpy(columns[DOC_INDEX_COLUMN].astype(np.int64))  # (B, T)
     return batch
 
 
@@ -67,6 +70,8 @@ def forward(engine, masker: SpanMasker, batch: dict[str, torch.Tensor], mask_ste
     masked, labels = masker(ids, step=mask_step)  # (B, T) each
     if "sop_labels" in batch:
         extra["sop_labels"] = batch["sop_labels"].to(engine.device)
+    if "document_ids" in batch:
+        extra["document_ids"] = batch["document_ids"].to(engine.device)
     return engine(input_ids=masked.to(engine.device), attention_mask=(ids != 0).to(engine.device),
                   labels=labels.to(engine.device), **extra)
 
@@ -171,10 +176,15 @@ def build_engine(job: LoopJob, use_gpu: bool) -> Engine:
                  autocast=precision.autocast_dtype(arithmetic, use_gpu, deepspeed=True), compile=job.cfg.compile)
 
 
+def shard_columns(job: LoopJob) -> tuple[str, ...]:
+    """The token shards' columns the loop reads: the objective's, and `doc_index` with pretrain.document_mask."""
+    return (*job.objective.shard_columns, *((DOC_INDEX_COLUMN,) if job.cfg.document_mask else ()))
+
+
 def micro_batches(job: LoopJob, rank: int, world: int, state: TrainState) -> Iterator[tuple[int, int, dict]]:
     """Endless (epoch, index in epoch, batch) of this worker, starting at the saved data position."""
     cfg = job.cfg
-    split = data.Sequences(job.train_files, job.objective.shard_columns)
+    split = data.Sequences(job.train_files, shard_columns(job))
     if data.batches_per_epoch(len(split), world, cfg.micro_batch_size) == 0:
         raise RuntimeError(f"the train split has {len(split)} sequences, fewer than micro_batch_size x workers = "
                            f"{cfg.micro_batch_size * world}; tokenize more text or use fewer workers")
@@ -204,7 +214,7 @@ def validation_batches(job: LoopJob, rank: int, world: int) -> list[dict[str, to
     forward passes (ZeRO-3 gathers parameters collectively).
     """
     micro = job.cfg.micro_batch_size
-    split = data.Sequences(job.val_files, job.objective.shard_columns)
+    split = data.Sequences(job.val_files, shard_columns(job))
     total = len(split)
     want = min(total, job.cfg.eval_batches * micro * world)
     picked = np.sort(np.random.default_rng(job.cfg.seed).choice(total, size=want, replace=False))

@@ -44,3 +44,34 @@ def test_mask_with_padding_and_emd_logits():
         packed = model(ids, document_ids=docs)["logits"][0]
         alone = model(ids[:, :5])["logits"][0]
     torch.testing.assert_close(packed[:5], alone, atol=1e-5, rtol=0)
+
+
+def test_tokenize_records_each_tokens_document_and_pretraining_reads_it(tmp_path):
+    """The doc_index column `stages.tokenize` writes for packed rows: [CLS] with the row's first document, a [SEP]
+    with the document before it, a document continuing into the next row is that row's document 0; read back by
+    the pretraining loop's reader as the (B, T) document ids the model takes."""
+    import numpy as np
+    import pyarrow as pa
+    import pytest
+
+    from stages.pretrain.data import Sequences
+    from stages.pretrain.loop import to_batch
+    from stages.tokenize import DOC_INDEX_COLUMN, pack, row_documents, to_table
+
+    docs = [[10, 11, 12], [20, 21], [], [30, 31, 32, 33, 34]]  # rows of 8: 6 content tokens each
+    rows, lengths, first = pack(docs, 8, cls_id=1, sep_id=2, pad_id=0)
+    index = row_documents(docs, 8)
+    # the [SEP] closing [20, 21] falls into row 2, ahead of the last document
+    assert rows.tolist() == [[1, 10, 11, 12, 2, 20, 21, 2], [1, 2, 30, 31, 32, 33, 34, 2]]
+    assert index.tolist() == [[0, 0, 0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 1]] and index.dtype == np.uint16
+    long_docs = [[5] * 9, [6]]  # the first document spans two rows: the second starts inside it
+    assert row_documents(long_docs, 8).tolist() == [[0] * 8, [0, 0, 0, 0, 0, 1, 1, 1]]  # [CLS] 5 5 5 [SEP] 6 [SEP] pad
+    with pa.ipc.new_file(str(tmp_path / "part.arrow"), (t := to_table(rows, lengths, ["a", "d"], doc_index=index)).schema) as w:
+        w.write_table(t)
+    batch = to_batch(Sequences([tmp_path / "part.arrow"], ["input_ids", DOC_INDEX_COLUMN]).take(np.array([1, 0])))
+    assert batch["document_ids"].tolist() == index[[1, 0]].tolist()
+    with pa.ipc.new_file(str(tmp_path / "old.arrow"), (t := to_table(rows, lengths, ["a", "d"])).schema) as w:
+        w.write_table(t)  # a shard from before the column: readable, and refused only when the column is asked for
+    assert len(Sequences([tmp_path / "old.arrow"], ["input_ids"])) == 2
+    with pytest.raises(RuntimeError, match="no column doc_index.*--force tokenize"):
+        Sequences([tmp_path / "old.arrow"], ["input_ids", DOC_INDEX_COLUMN])
