@@ -100,6 +100,32 @@ def cpu_small() -> PipelineConfig:
         finetune=dataclasses.replace(cfg.finetune, lr=(1e-4, 3e-4), dropout=(0.1,)))
 
 
+def long_sequences(cfg: PipelineConfig, length: int) -> PipelineConfig:
+    """`cfg` at `length`-token sequences (past 512) with DeBERTaV3's relative layout: 256 log buckets over
+    max_relative_positions=512 (its released configs), so distances past 128 share rows logarithmically and past
+    512 the last one; the EMD's absolute table grows to `length`. The micro-batch shrinks so a step holds the same
+    number of tokens as at `cfg`'s length (at least one sequence)."""
+    model = cfg.model.replace(max_position_embeddings=length, position_buckets=256, max_relative_positions=512)
+    scale = max(1, length // cfg.tokenize.max_seq_len)
+    micro = max(1, cfg.pretrain.micro_batch_size // scale)
+    workers = cfg.pretrain.num_workers
+    return dataclasses.replace(
+        cfg, preset=f"{cfg.preset}-{length}", model=model,
+        tokenize=dataclasses.replace(cfg.tokenize, max_seq_len=length),
+        pretrain=dataclasses.replace(cfg.pretrain, micro_batch_size=micro,
+                                     train_batch_size=max(micro * workers, cfg.pretrain.train_batch_size // scale)))
+
+
+def cpu_small_1024() -> PipelineConfig:
+    """cpu-small at 1,024-token sequences (`long_sequences`)."""
+    return long_sequences(cpu_small(), 1024)
+
+
+def cpu_small_2048() -> PipelineConfig:
+    """cpu-small at 2,048-token sequences (`long_sequences`)."""
+    return long_sequences(cpu_small(), 2048)
+
+
 def _paper(name: str, model: DebertaConfig, lr: float, workers: int, micro: int, zero: int, grid: dict, sift: bool,
            ft_workers: int = 1) -> PipelineConfig:
     """Table 8 schedule: 2,048 x 512-token sequences per step, 10k warmup, 1M steps, AdamW."""
@@ -204,6 +230,8 @@ PRESETS = {
     "debug": debug,
     "debug-v3": debug_v3,
     "cpu-small": cpu_small,
+    "cpu-small-1024": cpu_small_1024,
+    "cpu-small-2048": cpu_small_2048,
     "deberta-base": deberta_base,
     "deberta-large": deberta_large,
     "deberta-1.5b": deberta_1_5b,

@@ -37,3 +37,16 @@ def test_forward_backward_at_2048_tokens():
     assert torch.isfinite(out["loss"])
     assert model.deberta.encoder.rel_embeddings.weight.grad.abs().sum() > 0
     assert model.emd.position_embeddings.weight.grad[2032].abs().sum() > 0
+
+
+def test_long_presets_take_the_v3_layout_and_keep_tokens_per_step():
+    from core.config import validate
+    from pipeline.presets import PRESETS
+
+    base = PRESETS["cpu-small"]()
+    for length in (1024, 2048):
+        cfg = PRESETS[f"cpu-small-{length}"]()
+        validate(cfg)
+        assert cfg.tokenize.max_seq_len == cfg.model.max_position_embeddings == length
+        assert (cfg.model.position_buckets, cfg.model.max_relative) == (256, 512)
+        assert cfg.pretrain.train_batch_size * length == base.pretrain.train_batch_size * base.tokenize.max_seq_len
