@@ -162,7 +162,7 @@ def test_packed_sequences_are_framed_and_in_range(tokens, vocab, corpus):
     tok = Tokenizer.load(vocab[0].path)
     for split in ("train", "validation"):
         table, rows, lengths = _read_split(art, split)
-        assert table.column_names == ["input_ids", "length", "doc_id"]
+        assert table.column_names == ["input_ids", "length", "doc_id", "doc_index"]
         assert table.schema.field("input_ids").type == pa.list_(pa.uint32(), TOKENIZE.max_seq_len)
         assert rows.shape[1] == TOKENIZE.max_seq_len and rows.dtype == np.uint32
         assert rows.max() < tok.vocab_size  # [MASK] and beyond never stored
