@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from core.config import FinetuneConfig
+from core.storage import join
 from stages.finetune.data import Encoded
 from training.checkpoint_files import CUT_SHORT, set_aside_if_cut_short, storage_fs
 
@@ -199,7 +200,7 @@ def run_sweep(cfg: FinetuneConfig, setup: "TrialSetup", data: tuple[Encoded, Enc
         # refs inside the parameter: the trial passes them on to its workers, which fetch them themselves
         payload = {"data": ray.put(data), "weights": ray.put(weights)}
         trainable = tune.with_parameters(deepspeed_trial, payload=payload, setup=setup,
-                                         storage_path=str(Path(storage_path) / f"{name}-train"))
+                                         storage_path=join(storage_path, f"{name}-train"))
         # The trial function only waits on its Ray Train run, which reserves the workers itself. Tune refuses an
         # empty request, so the trial asks for one byte of memory: nothing a worker needs (a CPU would be).
         resources = {"cpu": 0, "memory": 1}
