@@ -153,8 +153,9 @@ EDITS = [  # (page, as printed, edited by one digit)
     ("bench/README.md", "| backbone | ours | 99374.6 | 0.156 |", "| backbone | ours | 99374.6 | 0.157 |"),  # h200 MFU
     ("bench/README.md", "The stage's kernel is 2.09x", "The stage's kernel is 2.08x"),  # a/b of two keys
     ("docs/faults.md", "| 7,734,418 |", "| 7,734,419 |"),                     # artifact_check.json
-    ("docs/testing.md", "tests 1348.5 s", "tests 1348.6 s"),                  # make_test.json
 ]
+_TESTS_S = json.loads((REPO / "bench" / "results" / "make_test.json").read_text())["test_s"]
+EDITS.append(("docs/testing.md", f"tests {_TESTS_S} s", f"tests {_TESTS_S + 0.1:.1f} s"))  # make_test.json, as measured
 
 
 def test_the_check_fails_when_a_copy_of_the_pages_is_edited(tmp_path):
