@@ -265,7 +265,7 @@ class PretrainConfig(Section):
     document_mask: bool = False
     """Attention stays inside each document of a packed row (block-diagonal, from the token shards' `doc_index`
     column; relative positions inside a document unchanged). Off by default: today's results stay as they were.
-    objective=mlm only (the RTD pair and SOP's one-document rows do not read it)."""
+    Read by the objectives that say so (`reads_documents`: mlm; the RTD pair and SOP's one-document rows do not)."""
 
     HOW: ClassVar[frozenset[str]] = frozenset({"log_interval", "eval_interval", "eval_batches", "ckpt_interval",
                                                "max_failures", "cpus_per_worker", "placement_strategy", "init",
@@ -284,9 +284,6 @@ class PretrainConfig(Section):
         _check(self.placement_strategy in PLACEMENTS,
                f"pretrain.placement_strategy={self.placement_strategy!r}: use one of {', '.join(PLACEMENTS)}")
         _check(self.precision in PRECISIONS, f"pretrain.precision={self.precision!r}: use one of {', '.join(PRECISIONS)}")
-        _check(not self.document_mask or self.objective == "mlm",
-               f"pretrain.document_mask=true with pretrain.objective={self.objective!r}: use objective=mlm, or "
-               "document_mask=false")
         _check(not (self.use_gpu and self.precision == "fp32"),
                "pretrain.precision=fp32 with pretrain.use_gpu=true: GPUs train in DeepSpeed's bf16; use auto or bf16")
 

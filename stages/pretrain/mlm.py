@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 class MLM(Objective):
     name = "mlm"
+    reads_documents = True
 
     def build_model(self, model: "DebertaConfig") -> tuple[Callable[[], "nn.Module"], Callable[["nn.Module"], None]]:
         from deberta.model import DebertaForMaskedLM, init_weights

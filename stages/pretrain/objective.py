@@ -58,6 +58,8 @@ class Objective:
     """Per-step numbers logged besides `loss` and averaged over micro-batches and workers (model outputs)."""
     final_metrics: tuple[str, ...] = ("val_loss", "val_accuracy", "val_perplexity", "val_mlm_loss")
     """Validation numbers whose last value goes into metrics.json and the stage's result (those logged)."""
+    reads_documents = False
+    """Whether its model takes `document_ids` (pretrain.document_mask: attention inside each packed document)."""
 
     def __init__(self, cfg: PretrainConfig):
         self.cfg = cfg

@@ -32,7 +32,11 @@ def objective_for(cfg: PretrainConfig) -> Objective:
 def check_config(cfg: PretrainConfig, model: DebertaConfig) -> None:
     """The objective's own settings, alone and against the [model] section, and the attention backend against the
     devices; run with `validate`, before any stage."""
-    problems = objective_for(cfg).check(model)
+    objective = objective_for(cfg)
+    problems = objective.check(model)
+    if cfg.document_mask and not objective.reads_documents:
+        problems.append(f"pretrain.document_mask=true: the {cfg.objective}{' + sop' if cfg.sop else ''} objective "
+                        f"does not read document boundaries; use objective=mlm without sop, or document_mask=false")
     if model.attn_impl == "fused":
         import importlib.util
 

@@ -1,5 +1,6 @@
 """Packed rows without cross-document attention: a document's states in a packed row are its states alone."""
 
+import pytest
 import torch
 
 from deberta.config import DebertaConfig
@@ -75,3 +76,16 @@ def test_tokenize_records_each_tokens_document_and_pretraining_reads_it(tmp_path
     assert len(Sequences([tmp_path / "old.arrow"], ["input_ids"])) == 2
     with pytest.raises(RuntimeError, match="no column doc_index.*--force tokenize"):
         Sequences([tmp_path / "old.arrow"], ["input_ids", DOC_INDEX_COLUMN])
+
+
+def test_only_an_objective_that_reads_documents_takes_the_option():
+    """The objective says whether it reads document boundaries (`reads_documents`); the others refuse the option
+    before any stage, naming the fix."""
+    from core.config import ConfigError, PretrainConfig
+    from deberta.config import debug
+    from stages.pretrain.objectives import check_config
+
+    check_config(PretrainConfig(document_mask=True), debug(vocab_size=300))
+    for cfg in (PretrainConfig(document_mask=True, objective="rtd"), PretrainConfig(document_mask=True, sop=True)):
+        with pytest.raises(ConfigError, match="does not read document boundaries; use objective=mlm without sop"):
+            check_config(cfg, debug(vocab_size=300))
