@@ -118,7 +118,32 @@ def _glob_regex(pattern: str) -> re.Pattern:
     return re.compile("".join(out) + r"\Z")
 
 
+_STORE_FIXES = (
+    (("ACCESS_DENIED", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Forbidden", "403"),
+     "the credentials were refused: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"),
+    (("NO_SUCH_BUCKET", "NoSuchBucket"), "the bucket does not exist: check its name, or create it"),
+    (("connect", "NETWORK_CONNECTION", "curlCode", "resolve host", "timed out"),
+     "the endpoint cannot be reached: check AWS_ENDPOINT_URL (or the region) and the network"),
+)
+"""Object-store failures a user can cause, by the words of pyarrow's error, and the fix to print."""
+
+
+def _store_error(pattern: str, error: Exception) -> StageInputError:
+    """One line naming the URI, what the store said and the fix, for a listing that failed."""
+    text = str(error)
+    fix = next((f for words, f in _STORE_FIXES if any(w.lower() in text.lower() for w in words)),
+               "check the URI, the credentials and the endpoint (AWS_* environment variables)")
+    return StageInputError(f"corpus {pattern}: {fix} ({text.splitlines()[0][:200]})")
+
+
 def _list_uri(pattern: str) -> list[tuple[str, int, int]]:
+    try:
+        return _list_store(pattern)
+    except (OSError, pa.ArrowException) as e:
+        raise _store_error(pattern, e) from None
+
+
+def _list_store(pattern: str) -> list[tuple[str, int, int]]:
     scheme = pattern.split("://", 1)[0]
     magic = _has_magic(pattern)
     root = pattern[:min(pattern.find(c) for c in "*?[" if c in pattern)] if magic else pattern
@@ -136,6 +161,10 @@ def _list_uri(pattern: str) -> list[tuple[str, int, int]]:
                      and not any(_hidden(part) for part in i.path[len(path):].split("/"))]
         else:
             infos = [] if info.type == pafs.FileType.NotFound else [info]
+    if not infos and scheme in ("s3", "gs", "gcs"):  # an object store says "not found" for a missing bucket too
+        bucket = path.strip("/").split("/", 1)[0]
+        if fs.get_file_info(bucket).type == pafs.FileType.NotFound:
+            raise OSError(f"NoSuchBucket: {bucket}")
     return [(f"{scheme}://{i.path}", i.size or 0, i.mtime_ns or 0) for i in infos]
 
 
