@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from core.corpus_sources import CorpusSource, check_sources
 from core.errors import ConfigError
 from deberta.config import DebertaConfig, DebertaConfigError
 
@@ -94,6 +95,10 @@ class RayConfig(Section):
 
 @dataclass(frozen=True)
 class CorpusConfig(Section):
+    sources: tuple[str, ...] = ()
+    """Named sources, each `NAME=PATH_OR_URI[:weight=W|:epochs=E]` (`CorpusSource`); `--corpus` fills it when its
+    arguments are named. Empty: one unnamed source, `--corpus PATH...` or the built-in corpus. *How*: what the
+    sources are (names, weights, epochs, each file) is the raw input's own id, as a corpus path is."""
     txt_mode: str = "document"
     """How `.txt` files become documents: "document" (one per file) or "line" (one per non-empty line)."""
     jsonl_field: str = "text"
@@ -119,7 +124,14 @@ class CorpusConfig(Section):
     batch_size: int = 512
     """Documents per Ray Data batch in the corpus stage (bounds each worker's memory)."""
 
+    HOW: ClassVar[frozenset[str]] = frozenset({"sources"})
+
+    def blend(self) -> tuple[CorpusSource, ...]:
+        """`sources` parsed, in the order listed (ConfigError on a malformed one)."""
+        return tuple(CorpusSource.parse(s) for s in self.sources)
+
     def check(self) -> None:
+        check_sources(self.blend())
         _check(self.txt_mode in ("document", "line"), f"corpus.txt_mode={self.txt_mode!r}: use document or line")
         _check(self.shingle in ("char", "word"), f"corpus.shingle={self.shingle!r}: use char or word")
         _check(0.0 < self.threshold <= 1.0, f"corpus.threshold={self.threshold}: must be in (0, 1]")
@@ -465,6 +477,24 @@ def apply_overrides(cfg: PipelineConfig, overrides: list[str]) -> PipelineConfig
         with _library_errors(section_name):
             cfg = dataclasses.replace(cfg, **{section_name: dataclasses.replace(getattr(cfg, section_name), **fields)})
     return cfg
+
+
+def with_corpus_arguments(cfg: PipelineConfig, corpus: list[str] | None) -> tuple[PipelineConfig, tuple[str, ...]]:
+    """`--corpus` arguments: all named (`NAME=PATH[:weight=W|:epochs=E]`) set `corpus.sources`; none named are
+    one unnamed source, returned as its patterns (today's `--corpus PATH...`). ConfigError for a mix, or for named
+    sources given both by `--corpus` and `--set corpus.sources`."""
+    if not corpus:
+        return cfg, ()
+    named = [CorpusSource.is_named(a) for a in corpus]
+    if not any(named):
+        _check(not cfg.corpus.sources, "--corpus PATH and --set corpus.sources both give the corpus; give it once")
+        return cfg, tuple(corpus)
+    unnamed = [a for a, n in zip(corpus, named) if not n]
+    if unnamed:
+        raise ConfigError(f"--corpus {unnamed[0]}: name every source or none (NAME=PATH_OR_URI[:weight=W|:epochs=E], "
+                          f"e.g. news={unnamed[0]}), or list unnamed paths alone for one unnamed source")
+    _check(not cfg.corpus.sources, "--corpus NAME=... and --set corpus.sources both give the sources; give them once")
+    return dataclasses.replace(cfg, corpus=dataclasses.replace(cfg.corpus, sources=tuple(corpus))), ()
 
 
 def pretrain_accumulation(p: PretrainConfig, world_size: int) -> int:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from core.artifacts import ArtifactStore, artifact_id, file_digest
-from core.config import ConfigError, PipelineConfig, apply_overrides, validate
+from core.config import ConfigError, PipelineConfig, apply_overrides, validate, with_corpus_arguments
 from core.datasets import materialize_corpus
 from pipeline.plan import STAGES, PlannedStage, StageSpec, make_plan, stages_until
 from pipeline.presets import PRESETS, missing_for_preset
@@ -77,6 +77,7 @@ def resolve_config(args: argparse.Namespace) -> PipelineConfig:
         overrides.append(f"finetune.init={args.pretrained}")
     try:
         cfg = apply_overrides(cfg, overrides)
+        cfg, _ = with_corpus_arguments(cfg, args.corpus)  # named sources become corpus.sources
         check_config(cfg)
     except ConfigError as e:
         raise UserError(str(e)) from None
@@ -185,16 +186,18 @@ def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path
             objects["pretrain"] = resolve_init(init, workdir)
             ids["pretrain"] = objects["pretrain"].id
         if "corpus" in planned:
-            if args.corpus:
-                patterns = tuple(args.corpus)
-                sources = corpus.list_sources(patterns)
-                fingerprint = [[*s, content_key(s[0], s[1])] for s in sources]
+            if cfg.corpus.sources:  # named sources: their names, weights and epochs are part of what the corpus is
+                raw = corpus.RawCorpus.of_blend(cfg.corpus.blend())
+                fingerprint = {"sources": [[s.name, s.weight, s.epochs] for s in raw.blend],
+                               "files": [[*s, content_key(s[0], s[1]), r] for s, r in zip(raw.sources, raw.ranks)]}
+            elif args.corpus:
+                raw = corpus.RawCorpus.of(args.corpus)
+                fingerprint = [[*s, content_key(s[0], s[1])] for s in raw.sources]
             else:
                 builtin = materialize_corpus("news", workdir / "data" / "news")
-                patterns = (str(builtin),)
-                sources = corpus.list_sources(patterns)
+                raw = corpus.RawCorpus.of([str(builtin)])
                 fingerprint = [["builtin:news", file_digest(builtin)]]
-            objects["raw"] = corpus.RawCorpus(patterns=patterns, sources=tuple(sources))
+            objects["raw"] = raw
             ids["raw"] = artifact_id("raw", RAW_ID_VERSION, fingerprint, {})
         if "finetune" in planned:
             task = resolve_task(cfg.finetune.task, workdir)

@@ -23,6 +23,10 @@ Modules: `ingest` (listing and reading files, fingerprints), `minhash` (the nump
 
 The raw input is resolved exactly once: `list_sources(patterns)` lists the files (path, size,
 mtime_ns), `RawCorpus(sources)` carries that tuple, and the stage reads exactly those files.
+
+Named sources (`--corpus NAME=PATH[:weight=W|:epochs=E] ...`, `RawCorpus.of_blend`) are deduplicated together,
+and of copies in several sources the one of the source listed first is kept: a named source's position is the
+first byte of its documents' ids, so the survivor rule above decides it (`by_source`).
 """
 
 from __future__ import annotations
@@ -40,10 +44,12 @@ import pyarrow.compute as pc
 
 from core.errors import StageInputError
 from stages.base import StageContext, StageResult
-from stages.corpus import dedup, exchange, ingest, report, shard
+from stages.corpus import by_source, dedup, exchange, ingest, report, shard
 from stages.corpus.ingest import doc_id, list_sources, read_file
 from stages.corpus.minhash import MinHasher, lsh_params
 from stages.corpus.shard import is_validation
+
+from core.corpus_sources import CorpusSource
 
 if TYPE_CHECKING:
     from core.config import CorpusConfig
@@ -73,6 +79,10 @@ class RawCorpus:
     """Every input file as (path, size, mtime_ns): the stage reads exactly these, and never lists again."""
     patterns: tuple[str, ...] = ()
     """What was asked for (files, directories, globs, URIs), for display and lineage only."""
+    blend: tuple[CorpusSource, ...] = ()
+    """The named sources in the order listed; empty for one unnamed source (`--corpus PATH...`)."""
+    ranks: tuple[int, ...] = ()
+    """With `blend`: per file of `sources`, the index of its source in `blend` (its rank for dedup)."""
 
     def __post_init__(self) -> None:
         if not self.sources:
@@ -82,6 +92,31 @@ class RawCorpus:
     def of(cls, patterns: Sequence[str]) -> "RawCorpus":
         """List `patterns` (files, directories, globs, pyarrow.fs URIs) once."""
         return cls(tuple(list_sources(patterns)), tuple(patterns))
+
+    @classmethod
+    def of_blend(cls, blend: Sequence[CorpusSource]) -> "RawCorpus":
+        """List each named source's files once; StageInputError naming the source when its path matches nothing
+        or when a file falls in two sources (a document has one source)."""
+        owner: dict[str, int] = {}
+        found: dict[str, Source] = {}
+        for rank, src in enumerate(blend):
+            try:
+                files = list_sources([src.path])
+            except StageInputError as e:
+                raise StageInputError(f"corpus source {src.name!r}: {e}") from None
+            for f in files:
+                if f[0] in owner:
+                    raise StageInputError(
+                        f"file {f[0]} is in corpus sources {blend[owner[f[0]]].name!r} and {src.name!r}; give each "
+                        f"file to one source (narrow a directory or glob)")
+                owner[f[0]], found[f[0]] = rank, f
+        paths = sorted(found)
+        return cls(tuple(found[p] for p in paths), tuple(s.spec() for s in blend), tuple(blend),
+                   tuple(owner[p] for p in paths))
+
+    def names(self) -> tuple[str, ...]:
+        """The source names in rank order (empty for one unnamed source)."""
+        return tuple(s.name for s in self.blend)
 
 
 # ---------------------------------------------------------------- Ray steps
@@ -109,7 +144,7 @@ def _data_context():
         ctx.target_max_block_size, ctx.execution_options.resource_limits = saved
 
 
-def _ingest(sources: Sequence[Source], cfg: CorpusConfig, fp: ingest.Fingerprinter, cpus: int,
+def _ingest(raw: RawCorpus, cfg: CorpusConfig, fp: ingest.Fingerprinter, cpus: int,
             stage: Path) -> tuple[list[str], int]:
     """Read and fingerprint every file into staged Arrow files under `stage`, one per block: (their paths, sorted;
     the records read, rejections included)."""
@@ -122,9 +157,13 @@ def _ingest(sources: Sequence[Source], cfg: CorpusConfig, fp: ingest.Fingerprint
     # CPU per read, two reads left room for one fingerprinting task on 2 CPUs, and the stage ran on one
     # core), and at most one read per CPU runs at a time, since each concurrent task needs a worker
     # process of its own (~1 CPU-second to start on this machine).
+    sources = raw.sources
     total = sum(size for _, size, _ in sources)
     read_tasks = min(len(sources), MAX_READ_TASKS, max(2 * cpus, -(-total // READ_TASK_BYTES)))
-    blocks = (ray.data.from_items([{"path": p} for p, _, _ in sources], override_num_blocks=read_tasks)
+    items = [{"path": p} for p, _, _ in sources]
+    for item, rank in zip(items, raw.ranks):  # named sources: each file's source rank, the first byte of its ids
+        item["rank"] = rank
+    blocks = (ray.data.from_items(items, override_num_blocks=read_tasks)
               .map_batches(ingest.read_files, batch_size=1, batch_format="pyarrow", num_cpus=0,
                            concurrency=min(cpus, read_tasks), fn_kwargs={"opts": cfg, "batch_rows": cfg.batch_size})
               .map_batches(ingest.fingerprint_block, batch_size=None, batch_format="pyarrow", num_cpus=1,
@@ -282,18 +321,20 @@ def _find_duplicates(files: Sequence[str], params: dedup.Params, readable: int, 
 def run(cfg: CorpusConfig, *, inputs: dict, out: Path, ctx: StageContext) -> StageResult:
     """Build the corpus artifact in `out`:
 
-        train/*.parquet, validation/*.parquet   doc_id, text (original), source
+        train/*.parquet, validation/*.parquet   doc_id, text (original), source (its file); with named sources
+                                                also source_name
         duplicates.parquet                      doc_id, kept_doc_id, similarity, kind (exact|near);
                                                 kept_doc_id is always a document of train/ or validation/
         near_pairs.parquet                      a, b, similarity: every confirmed near-duplicate pair
         rejected.parquet                        path, reason (unreadable files, undecodable or oversized records)
         report.json, examples.json, dedup.png   counts, bytes, timings, the dedup distributions; a few pairs
+        sources.json                            named sources only: per source its spec and documents (`by_source`)
     """
     with _data_context():
-        return _run(cfg, inputs["raw"].sources, Path(out))
+        return _run(cfg, inputs["raw"], Path(out))
 
 
-def _run(cfg: CorpusConfig, sources: Sequence[Source], out: Path) -> StageResult:
+def _run(cfg: CorpusConfig, raw: RawCorpus, out: Path) -> StageResult:
     import ray
 
     timings: dict[str, float] = {}
@@ -308,7 +349,8 @@ def _run(cfg: CorpusConfig, sources: Sequence[Source], out: Path) -> StageResult
     fp = ingest.Fingerprinter(MinHasher(cfg.num_perm, cfg.seed, cfg.shingle, cfg.shingle_size), bands, rows)
     stage = out / STAGED
     stage.mkdir()
-    files, n_docs = _ingest(sources, cfg, fp, cpus, stage)
+    sources = raw.sources
+    files, n_docs = _ingest(raw, cfg, fp, cpus, stage)
     lap("ingest_s")
     n_rejected, text_bytes = shard.write_rejected(
         _staged(files, ("source", "reason", "nbytes")).map_batches(shard.rejected_rows, batch_format="pyarrow"),
@@ -318,7 +360,10 @@ def _run(cfg: CorpusConfig, sources: Sequence[Source], out: Path) -> StageResult
     lap("rejected_s")
     found = _find_duplicates(files, dedup.Params(bands, cfg.shingle, cfg.shingle_size, cfg.threshold),
                              n_docs - n_rejected, text_bytes, cpus, lap)
-    n_split = shard.write_splits(_staged(files, ingest.STAGED_COLUMNS), found.removed, cfg, out)
+    if raw.blend:  # before the splits: a source dedup leaves empty stops the stage with nothing written there
+        read = by_source.readable(files, len(raw.blend))
+        kept = by_source.check_kept(raw.blend, read, found.removed[0])
+    n_split = shard.write_splits(_staged(files, ingest.STAGED_COLUMNS), found.removed, cfg, out, raw.names())
     quoted = report.example_pairs(found.near.edges)
     snippets = _snippets(files, quoted.column("a").to_pylist() + quoted.column("b").to_pylist())
     shutil.rmtree(stage)
@@ -328,8 +373,11 @@ def _run(cfg: CorpusConfig, sources: Sequence[Source], out: Path) -> StageResult
     counts = report.counts(len(sources), n_docs, n_rejected, n_split, found.exact.num_rows,
                            found.near.removed.num_rows, found.near.edges.num_rows, found.picture)
     timings["total_s"] = round(sum(timings.values()), 3)
-    logged = report.write(out, report.build(cfg, sources, counts, timings, text_bytes, bands, rows, dedup.MAX_BUCKET),
-                          found.picture, found.exact, found.near.edges, snippets)
+    body = report.build(cfg, sources, counts, timings, text_bytes, bands, rows, dedup.MAX_BUCKET)
+    if raw.blend:
+        body["sources"] = by_source.write(out, raw.blend, raw.ranks, read, kept)
+    logged = report.write(out, body, found.picture, found.exact, found.near.edges, snippets)
+    logged += (by_source.SOURCES,) if raw.blend else ()
     metrics = {
         "duplicate_fraction": (counts["exact_duplicates_removed"] + counts["near_duplicates_removed"]) / n_docs,
         "rejected_fraction": n_rejected / n_docs,

@@ -388,15 +388,23 @@ DOC_SCHEMA = pa.schema([("doc_id", pa.string()), ("id_hi", pa.uint64()), ("id_lo
                         ("text", pa.large_string()), ("source", pa.string()), ("reason", pa.string())])
 
 
-def doc_digest(source: str, index: int) -> bytes:
+def doc_digest(source: str, index: int, rank: int | None = None) -> bytes:
     """The 128-bit id of the index-th record of a file, big-endian (doc_id is its hex): independent of workers and
-    runs."""
-    return xxhash.xxh3_128_digest(f"{source}\x00{index}".encode())
+    runs. With named sources, the first byte is the rank of the file's source in the order listed (`rank`), so
+    ids order by source first: dedup keeps the smallest id of a group, which is then the copy of the first source
+    listed, with no rule of its own (`source_rank` reads it back)."""
+    digest = xxhash.xxh3_128_digest(f"{source}\x00{index}".encode())
+    return digest if rank is None else bytes((rank,)) + digest[1:]
 
 
-def doc_id(source: str, index: int) -> str:
+def doc_id(source: str, index: int, rank: int | None = None) -> str:
     """Stable id of the index-th record of a file; ids order like their 128-bit values (id_hi, id_lo)."""
-    return doc_digest(source, index).hex()
+    return doc_digest(source, index, rank).hex()
+
+
+def source_rank(id_hi: np.ndarray) -> np.ndarray:
+    """The source rank of ids made with one (`doc_digest`): their first byte."""
+    return (np.asarray(id_hi, np.uint64) >> np.uint64(56)).astype(np.int64)
 
 
 def _words(digests: bytes) -> tuple[np.ndarray, np.ndarray]:
@@ -418,8 +426,8 @@ def hex_ids(hi: np.ndarray, lo: np.ndarray) -> pa.Array:
     return _hex(words.tobytes(), len(hi))
 
 
-def _documents(records: list[Record]) -> pa.Table:
-    digests = b"".join([doc_digest(r.source, r.index) for r in records])  # split and hexed by numpy, not per id
+def _documents(records: list[Record], ranks: dict[str, int | None]) -> pa.Table:
+    digests = b"".join([doc_digest(r.source, r.index, ranks[r.source]) for r in records])  # split, hexed by numpy
     hi, lo = _words(digests)
     return pa.table({"doc_id": _hex(digests, len(records)), "id_hi": hi, "id_lo": lo,
                      "text": [r.text for r in records], "source": [r.source for r in records],
@@ -428,18 +436,21 @@ def _documents(records: list[Record]) -> pa.Table:
 
 def read_files(batch: pa.Table, opts: CorpusConfig, batch_rows: int) -> Iterator[pa.Table]:
     """Ray Data batch function: files (column `path`) -> documents and rejections (DOC_SCHEMA), in
-    batches of at most `batch_rows` rows or BATCH_BYTES of text."""
+    batches of at most `batch_rows` rows or BATCH_BYTES of text. A `rank` column (named sources) gives each
+    file's source rank, the first byte of its documents' ids."""
     records: list[Record] = []
     size = 0
-    for path in batch.column("path").to_pylist():
+    paths = batch.column("path").to_pylist()
+    ranks = dict(zip(paths, batch.column("rank").to_pylist() if "rank" in batch.column_names else [None] * len(paths)))
+    for path in paths:
         for rec in read_file(path, opts):
             records.append(rec)
             size += len(rec.text) if rec.text else 0
             if len(records) >= batch_rows or size >= BATCH_BYTES:
-                yield _documents(records)
+                yield _documents(records, ranks)
                 records, size = [], 0
     if records:
-        yield _documents(records)
+        yield _documents(records, ranks)
 
 
 @dataclass(frozen=True)

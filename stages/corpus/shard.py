@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from core.errors import StageInputError
+from stages.corpus.by_source import COLUMN, name_column
 from stages.corpus.dedup import find
 from stages.corpus.exchange import release_memory
 
@@ -50,13 +51,23 @@ def is_validation(ids: Sequence[str], fraction: float) -> np.ndarray:
 # ---------------------------------------------------------------- Ray Data batch functions
 
 
-def split_rows(batch: pa.Table, removed: tuple[np.ndarray, np.ndarray], fraction: float, split: str) -> pa.Table:
-    """Readable documents that dedup keeps and that belong to `split`, as output rows (OUT_SCHEMA)."""
+def out_schema(names: Sequence[str] = ()) -> pa.Schema:
+    """The split files' schema: OUT_SCHEMA, and `source_name` when the sources are named."""
+    return OUT_SCHEMA.append(pa.field(COLUMN, pa.string())) if names else OUT_SCHEMA
+
+
+def split_rows(batch: pa.Table, removed: tuple[np.ndarray, np.ndarray], fraction: float, split: str,
+               names: Sequence[str] = ()) -> pa.Table:
+    """Readable documents that dedup keeps and that belong to `split`, as output rows (`out_schema(names)`)."""
     readable = pc.is_null(batch.column("reason")).to_numpy(zero_copy_only=False)
     gone = find(removed[0], removed[1], batch.column("id_hi").to_numpy(), batch.column("id_lo").to_numpy()) >= 0
     kept = batch.filter(pa.array(readable & ~gone))
     held_out = is_validation(kept.column("doc_id").to_pylist(), fraction)
-    return kept.filter(pa.array(held_out if split == "validation" else ~held_out)).select(OUT_SCHEMA.names)
+    kept = kept.filter(pa.array(held_out if split == "validation" else ~held_out))
+    rows = kept.select(OUT_SCHEMA.names)
+    if names:
+        rows = rows.append_column(COLUMN, name_column(kept.column("id_hi").to_numpy(), names))
+    return rows
 
 
 def rejected_rows(batch: pa.Table) -> pa.Table:
@@ -73,32 +84,35 @@ def rejected_rows(batch: pa.Table) -> pa.Table:
 # ---------------------------------------------------------------- writing
 
 
-def _kept(batch: pa.Table, removed: list, fraction: float, split: str) -> pa.Table:
+def _kept(batch: pa.Table, removed: list, fraction: float, split: str, names: Sequence[str]) -> pa.Table:
     import ray
 
     release_memory()  # what the worker's previous tasks freed: a worker runs many of these, each holding a block
-    return split_rows(batch, ray.get(removed[0]), fraction, split).combine_chunks()  # a row group per file
+    return split_rows(batch, ray.get(removed[0]), fraction, split, names).combine_chunks()  # a row group per file
 
 
-def write_splits(docs, removed: tuple[np.ndarray, np.ndarray], cfg: CorpusConfig, out: Path) -> dict[str, int]:
-    """train/ and validation/ from the documents dedup keeps (the removed ids are broadcast once); row counts."""
+def write_splits(docs, removed: tuple[np.ndarray, np.ndarray], cfg: CorpusConfig, out: Path,
+                 names: Sequence[str] = ()) -> dict[str, int]:
+    """train/ and validation/ from the documents dedup keeps (the removed ids are broadcast once); row counts.
+    `names`: the named sources in rank order, for the `source_name` column."""
     import ray
 
     ref = [ray.put(removed)]  # in a list: a task gets the reference, and fetches the arrays zero-copy
     rows = {}
     for split in SPLITS:
         kept = docs.map_batches(_kept, batch_format="pyarrow", batch_size=None,
-                                fn_kwargs={"removed": ref, "fraction": cfg.validation_fraction, "split": split})
-        rows[split] = write_split(kept, out / split, cfg.rows_per_shard)
+                                fn_kwargs={"removed": ref, "fraction": cfg.validation_fraction, "split": split,
+                                           "names": tuple(names)})
+        rows[split] = write_split(kept, out / split, cfg.rows_per_shard, out_schema(names))
     return rows
 
 
-def write_split(ds, split_dir: Path, rows_per_shard: int) -> int:
+def write_split(ds, split_dir: Path, rows_per_shard: int, schema: pa.Schema = OUT_SCHEMA) -> int:
     """Write one split's shards; a split with no documents still gets one empty shard (readers see the schema)."""
     ds.write_parquet(str(split_dir), max_rows_per_file=rows_per_shard)
     split_dir.mkdir(parents=True, exist_ok=True)
     if not any(split_dir.glob("*.parquet")):
-        pq.write_table(OUT_SCHEMA.empty_table(), split_dir / "empty.parquet")
+        pq.write_table(schema.empty_table(), split_dir / "empty.parquet")
     return parquet_rows(split_dir)
 
 
