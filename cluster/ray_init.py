@@ -44,3 +44,21 @@ def cluster_cpus() -> int:
     import ray
 
     return int(ray.cluster_resources().get("CPU", 0))
+
+
+def nodes_not_seeing(path: str) -> list[str]:
+    """The addresses of the live nodes on which `path` (a file this process just wrote) does not exist: a zero-CPU
+    task pinned to each node looks for it."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=0)
+    def exists(p: str) -> bool:
+        return os.path.exists(p)
+
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    if len(nodes) < 2:
+        return []
+    seen = ray.get([exists.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+                    .remote(path) for n in nodes])
+    return [n["NodeManagerAddress"] for n, ok in zip(nodes, seen) if not ok]

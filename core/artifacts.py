@@ -8,6 +8,13 @@ and a finished one is never recomputed. A finished artifact is never deleted in 
 artifact appeared while ours was being built, ours is dropped and theirs kept; a `--force` rebuild moves the old one
 aside before the new one takes its name. Which run may build what is `core.locks`' business.
 
+In object storage (a workdir `s3://bucket/prefix`): the build happens in a local directory as above, then its files
+are uploaded to `<workdir>/artifacts/<stage>/<id>/`, `manifest.json` next and `_SUCCESS` last, so the marker is what
+makes an artifact visible there too (an object store has no rename; a write cut short leaves objects without a
+marker, which no reader takes and the re-run overwrites). A reader gets a verified local copy: `fetch` downloads an
+artifact once per node into the local cache (`<local>/artifacts/<stage>/<id>/`, the same layout), checking every
+file's size and SHA-256 against the manifest as it goes, and renames it into place only when all match.
+
 Checking: `verify` compares a finished artifact with its manifest - sizes always (a stat per file), SHA-256
 digests on demand: hashing reads every byte (`bench.artifact_check` measures it against the stages' times), which at
 hundreds of GB on shared storage is minutes per consuming stage, and the common damage (a copy or a write cut short)
@@ -32,13 +39,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from core import storage
 from core.errors import StageInputError
 
 SUCCESS = "_SUCCESS"
 MANIFEST = "manifest.json"
 ID_LENGTH = 16
-BUILDING, REPLACED = ".tmp-", ".old-"
-"""Prefixes of a build in progress and of a finished artifact a `--force` rebuild replaced: `<prefix><id>-<hex>`."""
+BUILDING, REPLACED, FETCHING = ".tmp-", ".old-", ".fetch-"
+"""Prefixes of a build in progress, of a finished artifact a `--force` rebuild replaced, and of a download from
+object storage in progress: `<prefix><id>-<hex>`."""
 HASH_THREADS = max(2, os.cpu_count() or 1)  # files hashed at once when an artifact is finished
 
 
@@ -85,9 +94,16 @@ class Artifact:
     stage: str
     id: str
     path: Path
+    """Where the artifact's files are read: the workdir's directory, or this node's copy of an object-store one."""
+    uri: str = ""
+    """The artifact in object storage (`s3://.../artifacts/<stage>/<id>`), or "" in a local workdir. A process on
+    another node calls `fetch(artifact)` before it reads `path`."""
 
     @property
     def manifest(self) -> dict[str, Any]:
+        if self.uri and not _complete(self.path):  # not fetched to this node: read it where it lives
+            fs, root = _remote(self.uri)
+            return json.loads(fs.open_input_stream(f"{root}/{MANIFEST}").read())
         return json.loads((self.path / MANIFEST).read_text())
 
     @property
@@ -99,20 +115,58 @@ class Artifact:
 
 
 class ArtifactStore:
-    """Derives artifact paths under a workdir and writes artifacts atomically."""
+    """Derives artifact paths under a workdir and writes artifacts atomically.
 
-    def __init__(self, workdir: Path):
-        self.root = Path(workdir) / "artifacts"
+    `workdir` is a local directory or an object-store URI; for a URI, `local` is this machine's directory for the
+    local copies (the cache), the build area and the stages' scratch."""
+
+    def __init__(self, workdir: str | Path, local: Path | None = None):
+        self.workdir = str(workdir)
+        """The workdir as given: a local directory or an object-store URI."""
+        if storage.is_uri(workdir):
+            if local is None:
+                raise ValueError(f"workdir {workdir} is in object storage: give a local directory for its cache")
+            self.remote: str | None = storage.join(workdir, "artifacts")
+            self.root = Path(local) / "artifacts"
+        else:
+            self.remote = None
+            self.root = Path(workdir) / "artifacts"
 
     def path(self, stage: str, art_id: str) -> Path:
         return self.root / stage / art_id
 
-    def find(self, stage: str, art_id: str) -> Artifact | None:
-        """The finished artifact, or None when it was never completed."""
+    def location(self, stage: str, art_id: str) -> str:
+        """Where the artifact lives, as a user would look for it: its URI in object storage, else its directory."""
+        return storage.join(self.remote, stage, art_id) if self.remote else str(self.path(stage, art_id))
+
+    def exists(self, stage: str, art_id: str) -> bool:
+        """Whether the artifact is finished (in object storage: its marker is there), without reading it."""
+        if _complete(self.path(stage, art_id)):
+            return True
+        return self.remote is not None and _remote_complete(self.location(stage, art_id))
+
+    def find(self, stage: str, art_id: str, fetching: bool = True) -> Artifact | None:
+        """The finished artifact, or None when it was never completed. From object storage it is fetched into this
+        node's cache first (once), and verified on the way, unless `fetching` is off (for a reference to it only:
+        its id and manifest)."""
         path = self.path(stage, art_id)
-        if (path / SUCCESS).is_file() and (path / MANIFEST).is_file():
-            return Artifact(stage, art_id, path)
-        return None
+        art = Artifact(stage, art_id, path, self.location(stage, art_id) if self.remote else "")
+        if _complete(path):
+            return art
+        if self.remote is None or not _remote_complete(art.uri):
+            return None
+        if fetching:
+            fetch(art)
+        return art
+
+    def verify(self, stage: str, art_id: str, digests: bool = False) -> None:
+        """`verify` of the artifact where it is read from: the local copy when there is one, else (object storage)
+        each object's size by one listing; digests are checked when it is fetched."""
+        art = Artifact(stage, art_id, self.path(stage, art_id), self.location(stage, art_id) if self.remote else "")
+        if _complete(art.path) or self.remote is None:
+            verify(art, digests)
+        else:
+            _verify_remote(art)
 
     def scratch_path(self, stage: str, art_id: str) -> Path:
         return Path(self.root).parent / "scratch" / stage / art_id
@@ -125,7 +179,8 @@ class ArtifactStore:
 
     @contextlib.contextmanager
     def building(self, stage: str, art_id: str, manifest: dict[str, Any], replace: bool = False) -> Iterator[Path]:
-        """Yield a temp dir to write into; on success add manifest + marker and rename into place.
+        """Yield a temp dir to write into; on success add manifest + marker and rename into place (and upload it,
+        marker last, to object storage).
 
         On any exception the temp dir is removed and nothing appears at the final path. A finished artifact already
         at the final path is kept (ours is dropped) unless `replace` (`--force`): then it is moved aside first.
@@ -137,6 +192,9 @@ class ArtifactStore:
         try:
             yield tmp
             _finish(tmp, manifest)
+            if self.remote is not None and not _upload(tmp, self.location(stage, art_id), replace):
+                shutil.rmtree(tmp)  # another run finished it in the bucket meanwhile: `find` fetches theirs
+                return
             _publish(tmp, final, replace)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -150,6 +208,121 @@ class ArtifactStore:
             prefix = BUILDING if p.name.startswith(BUILDING) else REPLACED
             out.append((p.parent.name, p.name.removeprefix(prefix).rpartition("-")[0], p))
         return out
+
+
+def _complete(path: Path) -> bool:
+    return (path / SUCCESS).is_file() and (path / MANIFEST).is_file()
+
+
+# ----------------------------------------------------------------------------------------------- object storage
+
+def _remote(uri: str) -> tuple[Any, str]:
+    import pyarrow.fs as pafs
+
+    return pafs.FileSystem.from_uri(uri)
+
+
+def _remote_complete(uri: str) -> bool:
+    import pyarrow.fs as pafs
+
+    fs, path = _remote(uri)
+    return fs.get_file_info(f"{path}/{SUCCESS}").type == pafs.FileType.File
+
+
+def _upload(tmp: Path, uri: str, replace: bool) -> bool:
+    """Copy a finished local build to `uri`: data files (in parallel), then the manifest, then the marker. False when
+    a finished artifact is already there and `replace` is off (it is kept). With `replace` the old marker goes
+    first, then the old objects, so no reader takes a mixture."""
+    import pyarrow.fs as pafs
+
+    fs, root = _remote(uri)
+    if fs.get_file_info(f"{root}/{SUCCESS}").type == pafs.FileType.File:
+        if not replace:
+            return False
+        fs.delete_file(f"{root}/{SUCCESS}")
+    if fs.get_file_info(root).type == pafs.FileType.Directory:
+        fs.delete_dir_contents(root)  # a --force's old objects, or those of an upload cut short
+    local = pafs.LocalFileSystem()
+    rels = [str(p.relative_to(tmp)) for p in sorted(tmp.rglob("*")) if p.is_file() and p.name not in (MANIFEST, SUCCESS)]
+
+    def put(rel: str) -> None:
+        pafs.copy_files(str(tmp / rel), f"{root}/{rel}", source_filesystem=local, destination_filesystem=fs)
+
+    with concurrent.futures.ThreadPoolExecutor(min(HASH_THREADS, len(rels) or 1)) as pool:
+        list(pool.map(put, rels))
+    put(MANIFEST)
+    put(SUCCESS)  # last: its presence means the artifact is complete
+    return True
+
+
+def _verify_remote(art: Artifact) -> None:
+    import pyarrow.fs as pafs
+
+    fix = f"rebuild it with --force {art.stage}"
+    fs, root = _remote(art.uri)
+    try:
+        files = json.loads(fs.open_input_stream(f"{root}/{MANIFEST}").read())["files"]
+    except (OSError, ValueError, KeyError) as e:
+        raise StageInputError(f"artifact {art.uri}: its {MANIFEST} is unreadable ({e}); {fix}") from None
+    sizes = {i.path[len(root) + 1:]: i.size for i in fs.get_file_info(pafs.FileSelector(root, recursive=True))
+             if i.type == pafs.FileType.File}
+    for rel, entry in files.items():
+        if rel not in sizes:
+            raise StageInputError(f"artifact {art.stage}/{art.id}: {art.uri}/{rel} is missing; {fix}")
+        if sizes[rel] != entry["bytes"]:
+            raise StageInputError(f"artifact {art.stage}/{art.id}: {art.uri}/{rel} has {sizes[rel]} bytes, its "
+                                  f"manifest says {entry['bytes']} (truncated or overwritten); {fix}")
+
+
+def fetch(art: Artifact, chunk: int = 4 << 20) -> None:
+    """Make `art.path` this node's verified copy of the object-store artifact `art.uri` (nothing to do when it is
+    there already). Every file is downloaded and hashed in one pass and must match the manifest's size and SHA-256;
+    the copy is renamed into place only when all do, so a reader never sees a partial one. Processes fetching the
+    same artifact at once each download, and the first rename wins."""
+    if not art.uri or _complete(art.path):
+        return
+    fix = f"rebuild it with --force {art.stage}"
+    fs, root = _remote(art.uri)
+    try:
+        manifest = fs.open_input_stream(f"{root}/{MANIFEST}").read()
+        files = json.loads(manifest)["files"]
+    except (OSError, ValueError, KeyError) as e:
+        raise StageInputError(f"artifact {art.uri}: its {MANIFEST} is unreadable ({e}); {fix}") from None
+    art.path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = art.path.parent / f"{FETCHING}{art.id}-{uuid.uuid4().hex[:8]}"
+
+    def get(rel: str) -> None:
+        target = tmp / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        h, size = hashlib.sha256(), 0
+        try:
+            with fs.open_input_stream(f"{root}/{rel}") as src, open(target, "wb") as dst:
+                while block := src.read(chunk):
+                    h.update(block)
+                    dst.write(block)
+                    size += len(block)
+        except FileNotFoundError:
+            raise StageInputError(f"artifact {art.stage}/{art.id}: {art.uri}/{rel} is missing; {fix}") from None
+        want = files[rel]
+        if size != want["bytes"] or h.hexdigest() != want["sha256"]:
+            what = (f"has {size} bytes, its manifest says {want['bytes']} (truncated or overwritten)"
+                    if size != want["bytes"] else "does not match its manifest's sha256 (changed since it was written)")
+            raise StageInputError(f"artifact {art.stage}/{art.id}: {art.uri}/{rel} {what}; {fix}")
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(min(HASH_THREADS, len(files) or 1)) as pool:
+            list(pool.map(get, sorted(files)))
+        (tmp / MANIFEST).write_bytes(manifest)
+        (tmp / SUCCESS).write_text("")
+        try:
+            os.rename(tmp, art.path)
+        except OSError:
+            if not _complete(art.path):  # not another fetch that won the rename: an incomplete leftover
+                raise
+            shutil.rmtree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _publish(tmp: Path, final: Path, replace: bool) -> None:

@@ -5,6 +5,7 @@ Credentials and endpoints come from the standard AWS environment as pyarrow read
 `AWS_SECRET_ACCESS_KEY`, `AWS_ENDPOINT_URL`, profiles); nothing of them is kept in configs or lineage."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -23,3 +24,36 @@ def join(base: str | Path, *parts: str) -> str:
         if part:
             out = f"{out}/{part}"
     return out
+
+
+_STORE_FIXES = (
+    (("ACCESS_DENIED", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Forbidden", "403"),
+     "the credentials were refused: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"),
+    (("NO_SUCH_BUCKET", "NoSuchBucket"), "the bucket does not exist: check its name, or create it"),
+    (("connect", "NETWORK_CONNECTION", "curlCode", "resolve host", "timed out"),
+     "the endpoint cannot be reached: check AWS_ENDPOINT_URL (or the region) and the network"),
+)
+"""Object-store failures a user can cause, by the words of pyarrow's error, and the fix to print."""
+
+
+def store_fix(error: BaseException) -> str:
+    """The fix for an object-store error a user can cause, and what the store said (one line)."""
+    text = str(error)
+    fix = next((f for words, f in _STORE_FIXES if any(w.lower() in text.lower() for w in words)),
+               "check the URI, the credentials and the endpoint (AWS_* environment variables)")
+    return f"{fix} ({text.splitlines()[0][:200] if text else type(error).__name__})"
+
+
+def check_writable(uri: str) -> None:
+    """Write and delete one small object under `uri`; OSError (pyarrow's, worded by the store) when that fails. A
+    bucket that does not exist is said so: an object store answers a write into one with a generic error."""
+    import pyarrow.fs as pafs
+
+    fs, path = pafs.FileSystem.from_uri(uri)
+    bucket = path.strip("/").split("/", 1)[0]
+    if fs.get_file_info(bucket).type == pafs.FileType.NotFound:
+        raise OSError(f"NoSuchBucket: {bucket}")
+    probe = f"{path.rstrip('/')}/.write-test-{os.getpid()}"
+    with fs.open_output_stream(probe, compression=None) as out:
+        out.write(b"")
+    fs.delete_file(probe)

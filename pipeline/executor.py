@@ -13,13 +13,15 @@ import shutil
 import sys
 import time
 import traceback
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 from core import locks
-from core.artifacts import Artifact, ArtifactStore, is_disk_full, verify, watching_writes
-from core.config import PipelineConfig, check_cluster
+from core import storage
+from core.artifacts import Artifact, ArtifactStore, is_disk_full, watching_writes
+from core.config import ConfigError, PipelineConfig, check_cluster
 from core.lineage import TAG_STATUS, Lineage, Tracker
 from pipeline.plan import PlannedStage
 
@@ -42,7 +44,7 @@ class Outcome:
 def _input_refs(st: PlannedStage, store: ArtifactStore, objects: dict[str, Any]) -> dict[str, Any]:
     refs = {}
     for name, art_id in st.input_ids.items():
-        refs[name] = objects[name] if name in objects else store.find(name, art_id)
+        refs[name] = objects[name] if name in objects else store.find(name, art_id, fetching=not st.cached)
         if refs[name] is None:
             raise RuntimeError(f"input {name}:{art_id} of stage {st.spec.name} is missing")
     return refs
@@ -53,7 +55,7 @@ def _lineage_inputs(refs: dict[str, Any]) -> dict[str, tuple[str, str, str]]:
     out = {}
     for name, ref in refs.items():
         if isinstance(ref, Artifact):
-            out[name] = (ref.id, ref.digest, str(ref.path))
+            out[name] = (ref.id, ref.digest, ref.uri or str(ref.path))
         else:
             ref_id = getattr(ref, "id", None) or name
             source = ",".join(getattr(ref, "patterns", ())) or str(getattr(ref, "source", name))
@@ -61,17 +63,42 @@ def _lineage_inputs(refs: dict[str, Any]) -> dict[str, tuple[str, str, str]]:
     return out
 
 
-def _connect_ray(cfg: PipelineConfig, stages: list[str]) -> None:
-    """Connect, then check the config against the live cluster (the one place CPUs and GPUs are checked).
+def _connect_ray(cfg: PipelineConfig, runs: list[PlannedStage], store: ArtifactStore) -> None:
+    """Connect, then check the config against the live cluster (the one place CPUs and GPUs are checked), and that
+    every node reaches the local side of an object-store workdir when a stage's tasks need it (`_check_local_dir`).
     Raises ConfigError, which the entry point prints as one line."""
     from cluster.ray_init import cluster_cpus, cluster_gpus, connect
 
     print(connect(cfg.ray), flush=True)
-    check_cluster(cfg, stages, cpus=cluster_cpus(), gpus=cluster_gpus())
+    check_cluster(cfg, [s.spec.name for s in runs], cpus=cluster_cpus(), gpus=cluster_gpus())
+    _check_local_dir(store, [s.spec.name for s in runs if s.spec.tasks_use_paths])
 
 
-def storage_path(cfg: PipelineConfig, workdir: Path) -> str:
-    return cfg.ray.storage_path or str(workdir / "ray_results")
+def _check_local_dir(store: ArtifactStore, stages: list[str]) -> None:
+    """With an object-store workdir the build area and the copies of inputs are on this machine's `--local-dir`.
+    The stages whose Ray tasks read their inputs and write their output there by path need it on every node of
+    the cluster (a shared file system): checked with a file written here and looked for on each node."""
+    from cluster.ray_init import nodes_not_seeing
+
+    if store.remote is None or not stages:
+        return
+    store.root.mkdir(parents=True, exist_ok=True)
+    probe = store.root / f".node-probe-{uuid.uuid4().hex[:8]}"
+    probe.write_text("")
+    try:
+        blind = nodes_not_seeing(str(probe))
+    finally:
+        probe.unlink()
+    if blind:
+        raise ConfigError(f"stage {', '.join(stages)} reads and writes by path from Ray tasks on every node, and "
+                          f"--local-dir {store.root.parent} is not on node {', '.join(blind)}; with a workdir in "
+                          f"object storage give a --local-dir that every node mounts (NFS), or build those stages "
+                          f"on one node (--until tokenize) and pretrain on the cluster")
+
+
+def storage_path(cfg: PipelineConfig, store: ArtifactStore) -> str:
+    """`ray.storage_path`, else `ray_results` in the workdir (in the bucket when the workdir is one)."""
+    return cfg.ray.storage_path or storage.join(store.workdir, "ray_results")
 
 
 def discard_resumable_state(st: PlannedStage, store: ArtifactStore, storage: str) -> list[str]:
@@ -174,9 +201,8 @@ def verify_inputs(plan: list[PlannedStage], store: ArtifactStore, digests: bool)
     """Check every finished artifact the plan reuses against its manifest (core.artifacts.verify): sizes always,
     SHA-256 digests with `digests` (`--verify`). StageInputError naming the file and `--force STAGE`."""
     for st in plan:
-        art = store.find(st.spec.name, st.artifact_id) if st.cached else None
-        if art is not None:
-            verify(art, digests)
+        if st.cached:
+            store.verify(st.spec.name, st.artifact_id, digests)
 
 
 def execute(cfg: PipelineConfig, plan: list[PlannedStage], objects: dict[str, Any],
@@ -186,13 +212,13 @@ def execute(cfg: PipelineConfig, plan: list[PlannedStage], objects: dict[str, An
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         opening = pool.submit(Lineage, workdir)
         if any(not s.cached for s in plan):
-            _connect_ray(cfg, [s.spec.name for s in plan if not s.cached])
+            _connect_ray(cfg, [s for s in plan if not s.cached], store)
         lineage = opening.result()
     parent = lineage.start(f"pipeline-{cfg.preset}", cfg.to_dict(), [s.spec.name for s in plan])
     outcome = Outcome(tracking_uri=lineage.tracking_uri, parent_run_id=parent.run_id)
     for st in plan:
         if st.forced:
-            gone = discard_resumable_state(st, store, storage_path(cfg, workdir))
+            gone = discard_resumable_state(st, store, storage_path(cfg, store))
             print(f"[{st.spec.name}] --force: recomputing from scratch; discarded resumable state "
                   f"{', '.join(gone) if gone else '(none)'}", flush=True)
     ids = {name: obj.id for name, obj in objects.items() if hasattr(obj, "id")}
@@ -221,11 +247,11 @@ def _run_stage(cfg: PipelineConfig, st: PlannedStage, refs: dict[str, Any], stor
     sections = [getattr(cfg, s) for s in st.spec.sections]
     ctx = StageContext(
         stage=st.spec.name, artifact_id=st.artifact_id, workdir=workdir,
-        scratch=store.scratch(st.spec.name, st.artifact_id), storage_path=storage_path(cfg, workdir),
+        scratch=store.scratch(st.spec.name, st.artifact_id), storage_path=storage_path(cfg, store),
         tracker=tracker, lineage=lineage_ids, preset=cfg.preset)
     manifest = {"stage": st.spec.name, "id": st.artifact_id, "version": st.spec.version,
                 "config": st.config, "inputs": st.input_ids}
-    print(f"[{st.spec.name}] running -> {store.path(st.spec.name, st.artifact_id)}", flush=True)
+    print(f"[{st.spec.name}] running -> {store.location(st.spec.name, st.artifact_id)}", flush=True)
     started = time.time()
     out = None
     try:
@@ -266,11 +292,11 @@ def _fail(st: PlannedStage, tracker: Tracker, outcome: Outcome, message: str) ->
     return False
 
 
-def print_summary(outcome: Outcome, workdir: Path, seconds: float) -> None:
+def print_summary(outcome: Outcome, store: ArtifactStore, seconds: float) -> None:
     print("\n=== summary ===")
     print(f"status: {'succeeded' if outcome.ok else 'FAILED: ' + outcome.error} in {seconds / 60:.1f} min")
     for stage, (art_id, how) in outcome.artifacts.items():
-        print(f"  {stage:<9} {art_id}  ({how})  {workdir / 'artifacts' / stage / art_id}")
+        print(f"  {stage:<9} {art_id}  ({how})  {store.location(stage, art_id)}")
     for key, value in outcome.summary.items():
         print(f"  {key}: {value}")
     print(f"MLflow: {outcome.tracking_uri} (parent run {outcome.parent_run_id})")

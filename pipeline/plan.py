@@ -35,15 +35,18 @@ class StageSpec:
     prepare: Callable[..., Prepared] | None = None
     """Optional `prepare(first_section, *, other_sections..., planned, workdir, overrides) -> Prepared`: what the
     stage's settings bring in from outside, resolved before Ray starts (stages/base.py)."""
+    tasks_use_paths: bool = False
+    """The stage's Ray tasks, on any node, read its inputs and write its output by path (so with a workdir in object
+    storage, the local side must be on every node: pipeline.executor checks it)."""
 
 
 STAGES: tuple[StageSpec, ...] = (
     StageSpec("corpus", corpus.run, corpus.VERSION, ("corpus",), ("raw",),
-              "exact + MinHash-LSH dedup, Parquet shards, 5% validation split (Ray Data)"),
+              "exact + MinHash-LSH dedup, Parquet shards, 5% validation split (Ray Data)", tasks_use_paths=True),
     StageSpec("vocab", vocab.run, vocab.VERSION, ("vocab",), ("corpus",),
               "SentencePiece vocabulary with fixed special-token ids"),
     StageSpec("tokenize", tokenize.run, tokenize.VERSION, ("tokenize",), ("corpus", "vocab"),
-              "packed uint32 token sequences in Parquet shards (Ray Data)"),
+              "packed uint32 token sequences in Parquet shards (Ray Data)", tasks_use_paths=True),
     StageSpec("pretrain", pretrain.run, pretrain.VERSION, ("pretrain", "model"), ("tokenize", "vocab", "corpus"),
               "DeBERTa MLM + EMD pretraining, Ray Train + DeepSpeed ZeRO, MLflow registry", pretrain.dry_run,
               check=pretrain.check_config, prepare=pretrain.prepare),
@@ -111,7 +114,7 @@ def make_plan(cfg: PipelineConfig, store: ArtifactStore, external_ids: dict[str,
         art_id = artifact_id(spec.name, spec.version, canonical_json(what), input_ids)
         ids[spec.name] = art_id
         forced = spec.name in force
-        cached = store.find(spec.name, art_id) is not None and not forced
+        cached = store.exists(spec.name, art_id) and not forced
         plan.append(PlannedStage(spec, art_id, {s: getattr(cfg, s).to_dict() for s in spec.sections}, input_ids,
                                  cached, selected=only is None or spec.name == only, forced=forced,
                                  note=prepared.notes.get(spec.name, "")))

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from core import storage
 from core.artifacts import ArtifactStore, artifact_id, file_digest
 from core.config import ConfigError, PipelineConfig, apply_overrides, validate, with_corpus_arguments
 from core.datasets import materialize_corpus
@@ -47,8 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(config.json, weights, spm.model) or registry version (models:/NAME/VERSION, "
                         "models:/NAME@ALIAS) instead of pretraining; runs the finetune stage alone, the [model] "
                         "section read from the checkpoint")
-    p.add_argument("--workdir", default="workdir", type=Path,
-                   help="artifacts, MLflow store and Ray storage live here (default: ./workdir)")
+    p.add_argument("--workdir", default="workdir",
+                   help="artifacts, MLflow store and Ray storage live here (default: ./workdir); or an object-store "
+                        "URI (s3://bucket/prefix) for the artifacts and Ray storage, credentials from the AWS_* "
+                        "environment")
+    p.add_argument("--local-dir", type=Path, metavar="DIR",
+                   help="with an object-store --workdir: this machine's directory for the copies of artifacts it "
+                        "reads, the build area, the MLflow store and the locks (default: "
+                        f"{LOCAL_DEFAULT}/<bucket>/<prefix>)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--only", metavar="STAGE", help="run just this stage (its inputs must be built)")
     group.add_argument("--until", metavar="STAGE", help="run the stages up to and including this one")
@@ -102,18 +109,40 @@ def check_config(cfg: PipelineConfig) -> None:
             spec.check(first, **rest)
 
 
-def check_workdir(workdir: Path) -> Path:
-    """The workdir, absolute, created and written to once (a run that then stops at bad input leaves nothing:
-    `main` removes what it created)."""
-    workdir = workdir.expanduser().resolve()
+LOCAL_DEFAULT = "~/.cache/deberta-pipeline"
+
+
+def local_dir(args: argparse.Namespace) -> Path:
+    """The local side of the workdir: the workdir itself, or for an object-store one `--local-dir` (default
+    LOCAL_DEFAULT/<bucket>/<prefix>)."""
+    if not storage.is_uri(args.workdir):
+        return Path(args.workdir).expanduser().resolve()
+    if args.local_dir is not None:
+        return args.local_dir.expanduser().resolve()
+    return Path(LOCAL_DEFAULT, str(args.workdir).split("://", 1)[1].strip("/")).expanduser().resolve()
+
+
+def check_workdir(args: argparse.Namespace) -> tuple[str, Path]:
+    """(the workdir as given: a URI, or the local directory; its local side), both written to once, the local side
+    created (a run that then stops at bad input leaves nothing: `main` removes what it created)."""
+    location, local = str(args.workdir), local_dir(args)
+    if storage.is_uri(location):
+        try:
+            storage.check_writable(location)
+        except (OSError, ValueError) as e:
+            raise UserError(f"workdir {location}: {storage.store_fix(e)}") from None
+    elif args.local_dir is not None:
+        raise UserError(f"--local-dir is for an object-store --workdir (s3://...); the local workdir {local} "
+                        f"holds everything itself: drop --local-dir")
+    what, flag = ("--local-dir", "--local-dir") if storage.is_uri(location) else ("workdir", "--workdir")
     try:
-        workdir.mkdir(parents=True, exist_ok=True)
-        probe = workdir / f".write-test-{os.getpid()}"
+        local.mkdir(parents=True, exist_ok=True)
+        probe = local / f".write-test-{os.getpid()}"
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise UserError(f"workdir {workdir} is not writable ({e.strerror}); pass --workdir DIR you can write to") from None
-    return workdir
+        raise UserError(f"{what} {local} is not writable ({e.strerror}); pass {flag} DIR you can write to") from None
+    return (location if storage.is_uri(location) else str(local)), local
 
 
 def created_by_this_run(workdir: Path) -> Path | None:
@@ -221,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.executor import RunConflict
 
     args = build_parser().parse_args(argv)
-    created = created_by_this_run(args.workdir)
+    created = created_by_this_run(local_dir(args))
     try:
         rc = _main(args)
         if args.dry_run and created is not None:  # a plan on paper writes nothing either
@@ -286,14 +315,14 @@ def _main(args: argparse.Namespace) -> int:
     from pipeline.executor import claim, execute, print_summary, verify_inputs
 
     cfg = resolve_config(args)
-    workdir = check_workdir(args.workdir)
+    location, workdir = check_workdir(args)
     planned = planned_stages(args, cfg)
     cfg, prepared = prepare_stages(args, cfg, workdir, planned)
     objects, ext_ids = external_inputs(args, cfg, workdir, planned)
     if cfg.finetune.init:
         cfg = from_checkpoint(args, cfg, objects)
     print(f"resolved config ({cfg.preset}):\n{cfg.to_json()}", flush=True)
-    store = ArtifactStore(workdir)
+    store = ArtifactStore(location, workdir)
     try:
         plan = make_plan(cfg, store, ext_ids, only=args.only, until=args.until, force=tuple(args.force),
                          prepared=prepared)
@@ -315,7 +344,7 @@ def _main(args: argparse.Namespace) -> int:
             raise UserError(str(e)) from None
         started = time.time()
         outcome = execute(cfg, plan, {**objects, **prepared.objects}, store, workdir)
-    print_summary(outcome, workdir, time.time() - started)
+    print_summary(outcome, store, time.time() - started)
     return 0 if outcome.ok else 1
 
 

@@ -125,7 +125,7 @@ def _trainer(cfg: PretrainConfig, job: "LoopJob", ctx: StageContext):
 
 def _loop_job(cfg: PretrainConfig, model: "DebertaConfig", ds_config: DeepSpeedConfig, seq_len: int,
               train_files: list[str], val_files: list[str], tok: Tokenizer, tracker, objective: Objective,
-              init_weights: str = "", run_dir: str = "") -> "LoopJob":
+              init_weights: str = "", run_dir: str = "", shards: Artifact | None = None) -> "LoopJob":
     from stages.pretrain.loop import LoopJob
 
     return LoopJob(
@@ -134,7 +134,7 @@ def _loop_job(cfg: PretrainConfig, model: "DebertaConfig", ds_config: DeepSpeedC
         special_ids=tuple(sorted(tok.special_ids.values())),
         word_start=np.packbits(tok.word_start_mask()).tobytes(),
         train_flops_per_token=objective.train_flops_per_token(model, seq_len),
-        tracker=tracker, init_weights=init_weights, run_dir=run_dir)
+        tracker=tracker, init_weights=init_weights, run_dir=run_dir, shards=shards)
 
 
 def consolidate(checkpoint_dir: Path, ds_config: DeepSpeedConfig) -> tuple[dict, "TrainState"]:
@@ -173,7 +173,8 @@ def run(cfg: PretrainConfig, *, model: DebertaConfig, inputs: dict[str, Artifact
               + "; ".join(f"{k} {v}" for k, v in notes.items()), flush=True)
         ctx.tracker.set_tags(init_tags(inputs, notes))
     job = _loop_job(cfg, model, ds_config, seq_len, train_files, val_files, tok, ctx.tracker, objective, init_file,
-                    run_dir=f"{ctx.storage_path.rstrip('/')}/{run_name(ctx)}")
+                    run_dir=f"{ctx.storage_path.rstrip('/')}/{run_name(ctx)}",
+                    shards=inputs["tokenize"] if inputs["tokenize"].uri else None)
     set_aside_cut_short_snapshot(job.run_dir)
     ctx.tracker.log_dict({"deepspeed": ds_config.to_dict(), "seq_len": seq_len}, "deepspeed_config.json")
     started = time.time()

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 
 import stages.pretrain.data as data
+from core import artifacts
+from core.artifacts import Artifact
 from core.config import PretrainConfig
 from deberta.config import DebertaConfig
 from deberta.masking import SpanMasker
@@ -145,6 +147,9 @@ class LoopJob:
     run_dir: str = ""
     """The Ray Train run's storage directory (path or URI): `restore` lists its checkpoints when Ray Train has
     none registered (its snapshot was cut short and set aside, or never written)."""
+    shards: Artifact | None = None
+    """The tokenize artifact `train_files` and `val_files` belong to: in an object-store workdir each node fetches
+    its verified copy (`core.artifacts.fetch`, once per node) before a worker maps the files."""
 
     def word_start_mask(self) -> torch.Tensor:
         bits = np.unpackbits(np.frombuffer(self.word_start, dtype=np.uint8))[: self.tokenizer_len]
@@ -308,6 +313,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     job: LoopJob = config["job"]
     cfg, objective = job.cfg, job.objective
+    if job.shards is not None:
+        artifacts.fetch(job.shards)
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     rank0 = RankZero(rank, job.tracker)

@@ -1,7 +1,12 @@
-"""A corpus in object storage, read by the pipeline from a real S3 server on loopback (tests/s3_server.py): the
-corpus stage lists and reads `s3://bucket/prefix/` through pyarrow.fs in Ray Data's tasks, with nothing staged on
-local disk, and keeps what a local copy of the same files keeps; credentials and endpoint come from the standard AWS
-environment, and each way they can be wrong is one `error:` line naming the URI and the fix, before any stage."""
+"""Object storage, against a real S3 server on loopback (tests/s3_server.py).
+
+- A corpus in a bucket: the corpus stage lists and reads `s3://bucket/prefix/` through pyarrow.fs in Ray Data's tasks,
+  with nothing staged on local disk, and keeps what a local copy of the same files keeps.
+- A workdir in a bucket: artifacts are uploaded with their marker last and read back through a verified local copy;
+  the same input gives the same ids and files as a local workdir; a re-run from another machine's empty local
+  directory reuses every artifact without downloading it; an object cut short is named before any stage.
+- Credentials and endpoint come from the standard AWS environment; each way they can be wrong is one `error:` line
+  naming the URI and the fix, before any stage."""
 
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from core.artifacts import MANIFEST, SUCCESS, ArtifactStore
+from core.errors import StageInputError
 from tests.conftest import pipeline_main
 from tests.s3_server import s3_server  # noqa: F401  (the session's server)
 
@@ -42,24 +49,118 @@ def corpus_files(news_subset, tmp_path_factory) -> Path:
     return root
 
 
-def test_a_corpus_in_a_bucket_is_read_as_its_local_copy(s3_server, corpus_files, tmp_path):  # noqa: F811
-    fs = s3_server.filesystem()
+def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
+    return subprocess.run([sys.executable, "-m", "pipeline.run", *args, "--set", "ray.num_cpus=2",
+                           "--set", "ray.dashboard=false"],
+                          cwd=REPO, env={**base, **env}, capture_output=True, text=True, timeout=600)
+
+
+def _summary(out: str) -> dict[str, tuple[str, str]]:
+    """stage -> (artifact id, "ran" | "cached") from the run's summary."""
+    rows = [ln.split() for ln in out.split("=== summary ===")[1].splitlines() if ln.startswith("  ")]
+    return {r[0]: (r[1], r[2].strip("()")) for r in rows if len(r) >= 3 and r[2] in ("(ran)", "(cached)")}
+
+
+def _files(manifest: dict) -> dict[str, str]:
+    return {rel: f["sha256"] for rel, f in manifest["files"].items()}
+
+
+def test_a_corpus_and_a_workdir_in_a_bucket(s3_server, corpus_files, tmp_path):  # noqa: F811
+    fs, bucket = s3_server.filesystem(), s3_server.bucket
     for path in corpus_files.iterdir():
-        with fs.open_output_stream(f"{s3_server.bucket}/news/{path.name}", compression=None) as out:  # as is
+        with fs.open_output_stream(f"{bucket}/news/{path.name}", compression=None) as out:  # as is
             out.write(path.read_bytes())
-    runs = {}
-    for name, corpus in (("s3", f"s3://{s3_server.bucket}/news/"), ("local", str(corpus_files))):
-        workdir = tmp_path / name
-        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
-        res = subprocess.run([sys.executable, "-m", "pipeline.run", "--corpus", corpus, "--workdir", str(workdir),
-                              "--until", "corpus", "--set", "ray.num_cpus=2", "--set", "ray.dashboard=false"],
-                             cwd=REPO, env={**env, **s3_server.env}, capture_output=True, text=True, timeout=600)
+    local, s3 = tmp_path / "local", f"s3://{bucket}/wd"
+    in_bucket = ["--corpus", str(corpus_files), "--workdir", s3]
+    runs = {
+        "s3-corpus": ["--corpus", f"s3://{bucket}/news/", "--workdir", str(tmp_path / "s3-corpus"), "--until", "corpus"],
+        "local": ["--corpus", str(corpus_files), "--workdir", str(local), "--until", "tokenize"],
+        "s3-workdir": [*in_bucket, "--local-dir", str(tmp_path / "l1"), "--until", "tokenize"],
+    }
+    outs = {}
+    for name, args in runs.items():
+        res = _run(args, s3_server.env)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-        runs[name] = (_corpus_texts(workdir), res.stdout)
-    (s3_texts, s3_out), (local_texts, _) = runs["s3"], runs["local"]
-    assert len(s3_texts) == 200 and s3_texts == local_texts  # the 20 repeats removed, the same 200 kept
-    assert "corpus: 200 of 220 documents kept (20 exact" in s3_out, s3_out[-2000:]
-    assert not any(str(p).endswith((".jsonl", ".gz")) for p in (tmp_path / "s3").rglob("*")), "staged locally"
+        outs[name] = res.stdout
+
+    # the corpus read from the bucket keeps what its local copy keeps
+    assert len(_corpus_texts(tmp_path / "s3-corpus")) == 200
+    assert _corpus_texts(tmp_path / "s3-corpus") == _corpus_texts(local)  # the 20 repeats removed, the same 200 kept
+    assert "corpus: 200 of 220 documents kept (20 exact" in outs["s3-corpus"], outs["s3-corpus"][-2000:]
+    assert not any(str(p).endswith((".jsonl", ".gz")) for p in (tmp_path / "s3-corpus").rglob("*")), "staged locally"
+
+    # the workdir in the bucket: the same ids as on disk, every artifact complete there, its files those of disk
+    # (corpus shards are named by Ray Data's writer, differently in every run: compared by content)
+    ran = _summary(outs["s3-workdir"])
+    assert ran == _summary(outs["local"]) and {how for _, how in ran.values()} == {"ran"}, (ran, outs["local"][-1500:])
+    assert _corpus_texts(tmp_path / "l1") == _corpus_texts(local)
+    for stage in ("vocab", "tokenize"):
+        art_id = ran[stage][0]
+        remote = json.loads(fs.open_input_stream(f"{bucket}/wd/artifacts/{stage}/{art_id}/{MANIFEST}").read())
+        on_disk = json.loads((local / "artifacts" / stage / art_id / MANIFEST).read_text())
+        assert _files(remote) == _files(on_disk), stage
+        assert fs.get_file_info(f"{bucket}/wd/artifacts/{stage}/{art_id}/{SUCCESS}").size == 0
+
+    # another machine (an empty local directory) reuses every artifact without downloading any, and without Ray
+    res = _run([*in_bucket, "--local-dir", str(tmp_path / "l2"), "--until", "tokenize"], s3_server.env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert {how for _, how in _summary(res.stdout).values()} == {"cached"}, res.stdout[-2000:]
+    assert "started a local Ray" not in res.stdout
+    assert not (tmp_path / "l2" / "artifacts").exists() or not any((tmp_path / "l2" / "artifacts").rglob("*.arrow"))
+
+    # a token shard cut short in the bucket is named before any stage runs, and the fix is said
+    shard = f"{bucket}/wd/artifacts/tokenize/{ran['tokenize'][0]}/train/part-00000-000.arrow"
+    data = fs.open_input_stream(shard).read()
+    with fs.open_output_stream(shard, compression=None) as out:
+        out.write(data[: len(data) // 2])
+    res = _run([*in_bucket, "--local-dir", str(tmp_path / "l3"), "--until", "pretrain"], s3_server.env)
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert res.returncode == 2 and len(lines) == 1, res.stdout[-2000:] + res.stderr[-2000:]
+    assert f"s3://{shard} has {len(data) // 2} bytes, its manifest says {len(data)}" in lines[0], lines
+    assert "--force tokenize" in lines[0] and "running ->" not in res.stdout
+    assert not (tmp_path / "l3").exists()  # a refused run leaves nothing of its own
+
+
+def test_an_artifact_in_a_bucket_is_visible_whole_and_read_verified(s3_server, news_subset, tmp_path,  # noqa: F811
+                                                                    monkeypatch):
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    fs, workdir = s3_server.filesystem(), f"s3://{s3_server.bucket}/store"
+    text = news_subset(50).read_bytes()
+    writer = ArtifactStore(workdir, tmp_path / "writer")
+    with writer.building("corpus", "a1", {"stage": "corpus"}) as out:
+        (out / "train").mkdir()
+        (out / "train" / "part-0.jsonl").write_bytes(text)
+        (out / "report.json").write_text("{}")
+        assert not writer.exists("corpus", "a1")  # not visible while being written
+    root = f"{s3_server.bucket}/store/artifacts/corpus/a1"
+    assert fs.open_input_stream(f"{root}/train/part-0.jsonl").read() == text
+
+    # another machine: found in the bucket, copied, every byte the writer's
+    reader = ArtifactStore(workdir, tmp_path / "reader")
+    art = reader.find("corpus", "a1")
+    assert art is not None and art.path == tmp_path / "reader" / "artifacts" / "corpus" / "a1"
+    assert (art.path / "train" / "part-0.jsonl").read_bytes() == text
+    assert art.uri == f"{workdir}/artifacts/corpus/a1" and art.manifest["files"]["train/part-0.jsonl"]["bytes"] == len(text)
+
+    # an upload cut short (objects, no marker) is no artifact
+    with fs.open_output_stream(f"{s3_server.bucket}/store/artifacts/corpus/a2/train/part-0.jsonl") as out:
+        out.write(text)
+    assert not reader.exists("corpus", "a2") and reader.find("corpus", "a2") is None
+
+    # an object changed in the bucket: a size change is seen by listing; equal size, other bytes when copied
+    with fs.open_output_stream(f"{root}/train/part-0.jsonl", compression=None) as out:
+        out.write(text[:-10])
+    fresh = ArtifactStore(workdir, tmp_path / "fresh")
+    with pytest.raises(StageInputError, match=rf"part-0.jsonl has {len(text) - 10} bytes, .*--force corpus"):
+        fresh.verify("corpus", "a1")
+    with fs.open_output_stream(f"{root}/train/part-0.jsonl", compression=None) as out:
+        out.write(text[:-10] + b"x" * 10)
+    fresh.verify("corpus", "a1")  # sizes agree
+    with pytest.raises(StageInputError, match=r"part-0.jsonl does not match its manifest's sha256.*--force corpus"):
+        fresh.find("corpus", "a1")
+    assert not list((tmp_path / "fresh" / "artifacts" / "corpus").iterdir())  # no partial copy left
 
 
 @pytest.mark.parametrize("wrong, fragment", [
