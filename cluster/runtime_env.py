@@ -27,8 +27,11 @@ EXCLUDES = (
     "*.pt", "*.bin", "*.safetensors", "*.ckpt", "*.parquet", "*.arrow", "*.zip", "*.tar*",
 )
 
-# Settings of the submitting shell that the job must see, when set.
-FORWARDED_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME")
+# Settings of the submitting shell that the job must see, when set. Object-store keys are not among them: a runtime
+# env is shown by the dashboard and `ray job list`; the nodes hold their own (an instance profile, the AWS_* of
+# the raylets' environment), and only where the store is travels with the job.
+FORWARDED_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION",
+                 "AWS_PROFILE")
 
 
 def runtime_env(working_dir: str | None = None, env: dict[str, str] | None = None,

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.s3_server import s3_server  # noqa: F401  (the module's object store)
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 LOCAL_SH = REPO / "cluster" / "local.sh"
@@ -131,10 +133,11 @@ def exports(text: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster_2_nodes():
-    """`cluster/local.sh up` in a short state dir (Ray's socket paths must stay under 108 bytes)."""
+def ray_cluster_2_nodes(s3_server):  # noqa: F811
+    """`cluster/local.sh up` in a short state dir (Ray's socket paths must stay under 108 bytes). Its nodes hold the
+    object store's credentials in their environment, as cloud nodes hold an instance profile's."""
     state = Path(tempfile.mkdtemp(prefix="lc", dir="/tmp"))
-    env = dict(os.environ, LOCAL_CLUSTER_DIR=str(state), PATH=f"{BIN}:{os.environ['PATH']}")
+    env = dict(os.environ, **s3_server.env, LOCAL_CLUSTER_DIR=str(state), PATH=f"{BIN}:{os.environ['PATH']}")
     up = subprocess.run([str(LOCAL_SH), "up"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert up.returncode == 0, up.stdout + up.stderr
     client = exports(up.stdout)
@@ -184,12 +187,19 @@ def small_corpus(news_subset) -> Path:
     return news_subset(400)
 
 
-def test_pipeline_job_end_to_end(ray_cluster_2_nodes, mlflow_server, small_corpus, tmp_path_factory):
+def test_pipeline_job_end_to_end(ray_cluster_2_nodes, s3_server, mlflow_server, small_corpus,  # noqa: F811
+                                 tmp_path_factory):
+    """Every stage on both nodes with the corpus, the workdir and Ray's storage in the bucket."""
     from mlflow.tracking import MlflowClient
 
-    cluster = ray_cluster_2_nodes
-    workdir = tmp_path_factory.mktemp("shared") / "workdir"  # both raylets see this path
-    args = ["--preset", "debug-v3", "--corpus", str(small_corpus), "--workdir", str(workdir), *SHRINK]
+    cluster, fs, bucket = ray_cluster_2_nodes, s3_server.filesystem(), s3_server.bucket
+    with fs.open_output_stream(f"{bucket}/e2e-corpus/news.jsonl", compression=None) as out:
+        out.write(small_corpus.read_bytes())
+    # the local side holds the build area, the copies of what stages read and the locks: corpus and tokenize's tasks
+    # read and write it on both nodes (both raylets see this path; pipeline.executor checks that they do)
+    workdir = tmp_path_factory.mktemp("shared") / "local"
+    args = ["--preset", "debug-v3", "--corpus", f"s3://{bucket}/e2e-corpus/", "--workdir", f"s3://{bucket}/e2e",
+            "--local-dir", str(workdir), *SHRINK]
     res, status, logs, took = submit(cluster, args, "pipeline-e2e", timeout=720, MLFLOW_TRACKING_URI=mlflow_server)
     assert res.returncode == 0 and "Job 'pipeline-e2e' succeeded" in status, f"{status}\n{logs[-6000:]}\n{res.stderr[-2000:]}"
     print(f"\npipeline job on 2 nodes: SUCCEEDED in {took:.0f}s")
@@ -204,6 +214,7 @@ def test_pipeline_job_end_to_end(ray_cluster_2_nodes, mlflow_server, small_corpu
     import mlflow
     import numpy as np
     import pandas as pd
+    import pyarrow.fs as pafs
 
     from stages.finetune.tasks import resolve_task
 
@@ -231,7 +242,11 @@ def test_pipeline_job_end_to_end(ray_cluster_2_nodes, mlflow_server, small_corpu
     corpus_id = pretrained.tags["corpus"]
     assert corpus_id and champion.tags["corpus"] == corpus_id
     assert champion.tags["pretrain"] == pretrained.tags["pretrain"]
-    assert (workdir / "artifacts" / "corpus" / corpus_id / "_SUCCESS").is_file()
+    for stage, art_id in (("corpus", corpus_id), ("pretrain", pretrained.tags["pretrain"]),
+                          ("finetune", champion.tags["sweep"])):  # each complete in the bucket
+        assert fs.get_file_info(f"{bucket}/e2e/artifacts/{stage}/{art_id}/_SUCCESS").size == 0, stage
+    runs = {i.base_name for i in fs.get_file_info(pafs.FileSelector(f"{bucket}/e2e/ray_results"))}
+    assert f"pretrain-{pretrained.tags['pretrain']}" in runs, runs  # Ray Train's checkpoints are in the bucket too
     # ... and the corpus stage's MLflow run names that artifact: the lineage closes.
     exp = client.get_experiment_by_name("deberta-pipeline")
     parent = client.get_run(pretrained.run_id).data.tags["mlflow.parentRunId"]  # this job's pipeline run only: the
