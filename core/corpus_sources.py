@@ -22,6 +22,7 @@ def _check(ok: bool, message: str) -> None:
 SOURCE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 SOURCE_OPTION = re.compile(r":([A-Za-z_]+)=([^:/]*)$")
 SOURCE_OPTIONS = ("weight", "epochs")
+MIN_SHARE = 1e-4  # the smallest weight, as a share of all weights
 MAX_SOURCES = 256  # a source's rank is the first byte of its documents' ids (stages.corpus.ingest.doc_digest)
 
 
@@ -29,9 +30,10 @@ MAX_SOURCES = 256  # a source's rank is the first byte of its documents' ids (st
 class CorpusSource:
     """One named source of a blended corpus, written `NAME=PATH_OR_URI[:weight=W|:epochs=E]`.
 
-    Its share of the training tokens is set by `weight` (relative to the other weighted sources) or by
-    `epochs` (passes over it); with neither it counts as one pass (`epochs=1`), the share it has when files are
-    pooled. How pretraining turns these into a read order is `stages.pretrain.data`'s.
+    Its share of the training tokens is set either by `weight` (every source has one: shares are the weights,
+    normalised) or by `epochs` (no source has a weight: shares are in proportion to epochs x tokens, 1 pass when
+    not given, the shares files have when pooled). How pretraining turns these into a read order is
+    `stages.pretrain.data`'s.
     """
 
     name: str
@@ -100,3 +102,14 @@ def check_sources(sources: tuple[CorpusSource, ...]) -> None:
                                         f"once (one source may be a directory or a glob of many files)")
         seen.add(source.name)
     _check(len(sources) <= MAX_SOURCES, f"corpus.sources: {len(sources)} sources; at most {MAX_SOURCES}")
+    total = sum(s.weight or 0.0 for s in sources)
+    for s in sources:  # the read order keeps shares to about a millionth (stages.pretrain.data.PERIOD)
+        if s.weight is not None and s.weight < MIN_SHARE * total:
+            raise ConfigError(f"corpus source {s.name!r}: weight={s.weight:g} is under {MIN_SHARE:g} of the weights' "
+                              f"sum {total:g}; raise it, or drop the source")
+    weighted = [s.name for s in sources if s.weight is not None]
+    others = [s.name for s in sources if s.weight is None]
+    if weighted and others:  # a weight is a share of the whole run, epochs a number of passes: not both in one blend
+        raise ConfigError(f"corpus sources {', '.join(map(repr, weighted))} have a weight and "
+                          f"{', '.join(map(repr, others))} none; give every source a :weight=, or none of them "
+                          f"(then each is read :epochs= times, 1 by default, in proportion)")

@@ -44,10 +44,15 @@ record batches of at most BATCH_ROWS sequences, with columns
              recorded, whatever pretraining asks: one token artifact serves both settings, and the pretrain option
              does not reach into this stage's config (and id). uint16: a document takes at least 2 tokens (its
              [SEP]), so a row holds at most max_seq_len / 2 of them. Shards written before it lack the column.
+  source:    uint8, with named corpus sources only: the row's source, its position in the list (the first byte of
+             its documents' ids). Documents of different sources are never packed into one row (each read's
+             documents are packed source by source), so a row belongs to one source, and the shards' schema
+             metadata `sources` holds the corpus's sources.json (names, weights, epochs) for pretraining's blend.
 Shard i of corpus row group u is <split>/part-<u>-<i>.arrow (at most `rows_per_shard` sequences): the files in
 name order are the split in corpus order, and a sequence's index (what a pretraining permutation draws) is its
 position there. The same inputs give the same files. tokens.json (per split: documents, sequences, tokens,
-padding, files) holds the counts the manifest records.
+padding, files; with named sources also `sources`, per source its sequences and tokens) holds the counts the
+manifest records.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ import pyarrow.parquet as pq
 
 from core.tokenizer import Tokenizer
 from stages.base import StageContext, StageResult
+from stages.corpus import by_source
 from stages.segment_pairs import SOP_COLUMN, SentenceEnds, document_rng, segment_pairs
 from stages.vocab import SPLITS, split_files
 
@@ -73,6 +79,8 @@ if TYPE_CHECKING:
 
 VERSION = "7"
 DOC_INDEX_COLUMN = "doc_index"
+SOURCE_COLUMN = "source"
+SOURCES_METADATA = b"sources"
 
 SUMMARY_FILE = "tokens.json"
 BATCH_ROWS = 1024  # sequences per Arrow record batch: 2 MiB of ids at 512 tokens
@@ -125,10 +133,17 @@ def row_documents(docs: Sequence[Sequence[int]], max_seq_len: int) -> np.ndarray
     return (out - out[:, :1]).astype(np.uint16)
 
 
+def source_of(doc_ids: pa.Array) -> np.ndarray:
+    """The source rank of documents of named sources: the first byte of their ids (`stages.corpus.ingest`)."""
+    return np.array([int(d[:2], 16) for d in doc_ids.to_pylist()], dtype=np.uint8)
+
+
 def to_table(rows: np.ndarray, lengths: np.ndarray, doc_ids: Sequence[str],
-             sop_labels: np.ndarray | None = None, doc_index: np.ndarray | None = None) -> pa.Table:
+             sop_labels: np.ndarray | None = None, doc_index: np.ndarray | None = None,
+             sources: bytes = b"") -> pa.Table:
     """(n, L) uint32 rows -> the output schema: input_ids fixed_size_list<uint32>[L], length int32, doc_id string
-    (and with segment pairs sop_label int8; with doc_index (n, L) the doc_index column)."""
+    (and with segment pairs sop_label int8; with doc_index (n, L) the doc_index column; with `sources`, the
+    corpus's sources.json, the source column and the schema metadata)."""
     ids = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1), type=pa.uint32()), rows.shape[1])
     columns = {"input_ids": ids, "length": pa.array(lengths, type=pa.int32()),
                "doc_id": pa.array(doc_ids, type=pa.string())}
@@ -137,6 +152,9 @@ def to_table(rows: np.ndarray, lengths: np.ndarray, doc_ids: Sequence[str],
     if doc_index is not None:
         columns[DOC_INDEX_COLUMN] = pa.FixedSizeListArray.from_arrays(
             pa.array(doc_index.reshape(-1), type=pa.uint16()), rows.shape[1])
+    if sources:
+        columns[SOURCE_COLUMN] = pa.array(source_of(columns["doc_id"]), type=pa.uint8())
+        return pa.table(columns).replace_schema_metadata({SOURCES_METADATA: sources})
     return pa.table(columns)
 
 
@@ -152,20 +170,24 @@ class PackDocuments:
     """
 
     def __init__(self, tokenizer: Tokenizer, max_seq_len: int, batch_size: int, rows_per_shard: int, out: str,
-                 threads: int = 1, segment_pairs: bool = False, seed: int = 0):
+                 threads: int = 1, segment_pairs: bool = False, seed: int = 0, sources: bytes = b""):
         self.tok = tokenizer  # unpickled from its model bytes
         self.max_seq_len, self.batch_size, self.rows_per_shard = max_seq_len, batch_size, rows_per_shard
         self.out = Path(out)
         self.threads = threads
         self.segment_pairs, self.seed = segment_pairs, seed
+        self.sources = sources  # the corpus's sources.json with named sources, else empty
+        self.by_source: dict[str, np.ndarray] = {}  # per shard written: (2, S) sequences and tokens per source
         # ALBERT's segments are whole sentences: where this tokenizer's pieces end one
         self.sentence_ends = SentenceEnds.of(tokenizer.pieces()) if segment_pairs else None
 
     def __call__(self, units: dict[str, np.ndarray]) -> dict[str, list]:
-        shards: dict[str, list] = {"split": [], "file": [], "sequences": [], "tokens": [], "cpu_seconds": []}
+        shards: dict[str, list] = {"split": [], "file": [], "sequences": [], "tokens": [], "cpu_seconds": [],
+                                   "source_sequences": [], "source_tokens": []}
         for split, path, row_group, unit in zip(units["split"], units["path"], units["row_group"], units["unit"]):
             for shard in self.tokenize_unit(str(split), str(path), int(row_group), int(unit)):
-                for key, value in zip(shards, (str(split), *shard)):
+                per_source = self.by_source[shard[0]]
+                for key, value in zip(shards, (str(split), *shard, *per_source.tolist())):
                     shards[key].append(value)
         return shards
 
@@ -191,16 +213,25 @@ class PackDocuments:
             yield batch.column("doc_id"), (pc.fill_null(texts, "") if texts.null_count else texts).to_pylist()
 
     def packed(self, doc_ids: pa.Array, ids: list[np.ndarray]) -> pa.Table:
-        """One read's encoded documents packed `batch_size` at a time (the packing boundary), as one table."""
+        """One read's encoded documents packed `batch_size` at a time (the packing boundary), as one table; with
+        named sources, source by source (in the order of their ranks), so that no row mixes two."""
         if self.segment_pairs:  # pairs are made document by document: no packing batch
             return self.pair_table(doc_ids.to_pylist(), ids)
+        if self.sources:
+            ranks = source_of(doc_ids)
+            groups = [np.flatnonzero(ranks == r) for r in np.unique(ranks)]
+            return pa.concat_tables([self.packed_one(doc_ids.take(pa.array(g)), [ids[i] for i in g])
+                                     for g in groups])
+        return self.packed_one(doc_ids, ids)
+
+    def packed_one(self, doc_ids: pa.Array, ids: list[np.ndarray]) -> pa.Table:
         size = self.batch_size
         packed = [pack(ids[s:s + size], self.max_seq_len, self.tok.cls_id, self.tok.sep_id, self.tok.pad_id)
                   for s in range(0, len(ids), size)]
         first = np.concatenate([p[2] + s for p, s in zip(packed, range(0, len(ids), size))])
         doc_index = np.concatenate([row_documents(ids[s:s + size], self.max_seq_len) for s in range(0, len(ids), size)])
         return to_table(np.concatenate([p[0] for p in packed]), np.concatenate([p[1] for p in packed]),
-                        doc_ids.take(pa.array(first)), doc_index=doc_index)
+                        doc_ids.take(pa.array(first)), doc_index=doc_index, sources=self.sources)
 
     def pair_table(self, doc_ids: list[str], ids: list[np.ndarray]) -> pa.Table:
         """tokenize.segment_pairs: every document's sentence-order pairs (`stages.segment_pairs`), one per row."""
@@ -210,7 +241,8 @@ class PackDocuments:
         rows, lengths, labels = (np.concatenate([p[i] for p in parts]) for i in range(3))
         owners = [doc_id for doc_id, p in zip(doc_ids, parts) for _ in range(len(p[1]))]
         rows = rows.reshape(-1, self.max_seq_len)
-        return to_table(rows, lengths, owners, labels, doc_index=np.zeros(rows.shape, dtype=np.uint16))
+        return to_table(rows, lengths, owners, labels, doc_index=np.zeros(rows.shape, dtype=np.uint16),
+                        sources=self.sources)
 
     def tokenize_unit(self, split: str, path: str, row_group: int,
                       unit: int) -> Iterator[tuple[str, int, int, float]]:
@@ -230,9 +262,11 @@ class PackDocuments:
                 shard.add(table.slice(0, take))
                 table = table.slice(take)
                 if shard.rows == self.rows_per_shard:
+                    self.by_source[shard.name] = shard.by_source
                     yield shard.close()
                     shard, k, cpu = None, k + 1, time.process_time()
         if shard is not None:
+            self.by_source[shard.name] = shard.by_source
             yield shard.close()
 
 
@@ -244,6 +278,7 @@ class ShardWriter:
 
     def __init__(self, out: Path, name: str, schema: pa.Schema, cpu_start: float):
         self.name, self.rows, self.tokens, self.cpu = name, 0, 0, cpu_start
+        self.by_source = np.zeros((2, 0), np.int64)  # sequences and tokens per source rank (named sources)
         self.writer = pa.ipc.new_file(str(out / name), schema)  # uncompressed: memory-mapped without decoding
         self.pending: list[pa.Table] = []
 
@@ -251,6 +286,13 @@ class ShardWriter:
         self.pending.append(part)
         self.rows += len(part)
         self.tokens += int(pc.sum(part.column("length")).as_py())
+        if SOURCE_COLUMN in part.column_names:
+            rank = part.column(SOURCE_COLUMN).to_numpy().astype(np.int64)
+            n = max(self.by_source.shape[1], int(rank.max(initial=0)) + 1)
+            add = np.stack([np.bincount(rank, minlength=n),
+                            np.bincount(rank, weights=part.column("length").to_numpy(), minlength=n).astype(np.int64)])
+            add[:, :self.by_source.shape[1]] += self.by_source
+            self.by_source = add
         if sum(len(t) for t in self.pending) >= BATCH_ROWS:
             table = pa.concat_tables(self.pending)
             whole = len(table) // BATCH_ROWS * BATCH_ROWS
@@ -332,7 +374,7 @@ def run_tasks(fn, calls: list[list[dict]], num_cpus: int, concurrency: int, what
 
 
 def tokenize_splits(files: dict[str, Sequence[Path]], tok: Tokenizer, cfg: TokenizeConfig, workers: int,
-                    out: Path) -> list[dict]:
+                    out: Path, sources: bytes = b"") -> list[dict]:
     """Row groups -> tasks (read, tokenize, pack, write out/<split>/) -> one row per shard, in input order.
 
     The tasks read their row groups themselves instead of behind `read_parquet`, which would add a pass (and a
@@ -351,39 +393,51 @@ def tokenize_splits(files: dict[str, Sequence[Path]], tok: Tokenizer, cfg: Token
     shards = run_tasks(pack_units, [units[k::calls] for k in range(calls)], threads, tasks, "packed",
                        tokenizer=tok, max_seq_len=cfg.max_seq_len, batch_size=cfg.batch_size,
                        rows_per_shard=cfg.rows_per_shard, out=str(out), threads=threads,
-                       segment_pairs=cfg.segment_pairs, seed=cfg.seed)
+                       segment_pairs=cfg.segment_pairs, seed=cfg.seed, sources=sources)
     return sorted(shards, key=lambda shard: shard["file"])  # names sort in input order
 
 
-def summarize(files: Sequence[Path], shards: list[dict], max_seq_len: int) -> dict:
+def summarize(files: Sequence[Path], shards: list[dict], max_seq_len: int, names: Sequence[str] = ()) -> dict:
     sequences = sum(int(s["sequences"]) for s in shards)
     tokens = sum(int(s["tokens"]) for s in shards)
-    return {
+    out = {
         "documents": sum(pq.ParquetFile(f).metadata.num_rows for f in files),
         "sequences": sequences,
         "tokens": tokens,
         "padding": sequences * max_seq_len - tokens,
         "files": [str(s["file"]) for s in shards],
     }
+    if names:
+        per = np.zeros((2, len(names)), np.int64)
+        for shard in shards:
+            for row, key in enumerate(("source_sequences", "source_tokens")):
+                per[row, :len(shard[key])] += shard[key]
+        out["sources"] = [{"name": n, "sequences": int(per[0, r]), "tokens": int(per[1, r])}
+                          for r, n in enumerate(names)]
+    return out
 
 
 def run(cfg: TokenizeConfig, *, inputs: dict[str, Artifact], out: Path, ctx: StageContext) -> StageResult:
     tok = Tokenizer.load(inputs["vocab"].path)
     corpus_files = {split: split_files(inputs["corpus"], split, ["text"]) for split in SPLITS}  # fail before work
+    named = by_source.load(inputs["corpus"].path)  # the named sources, or None for one unnamed source
+    names = [s["name"] for s in named or ()]
     workers = num_workers(cfg)
     summary = {"max_seq_len": cfg.max_seq_len, "dtype": "uint32", "vocab_size": tok.vocab_size,
                "tokenizer_length": len(tok), "splits": {}}  # nothing machine-dependent: same inputs, same bytes
     clock = time.perf_counter()
-    shards = tokenize_splits(corpus_files, tok, cfg, workers, out)
+    shards = tokenize_splits(corpus_files, tok, cfg, workers, out, json.dumps(named).encode() if named else b"")
     pack_s = time.perf_counter() - clock
     for split in SPLITS:
         mine = [s for s in shards if s["split"] == split]
-        summary["splits"][split] = summarize(corpus_files[split], mine, cfg.max_seq_len)
+        summary["splits"][split] = summarize(corpus_files[split], mine, cfg.max_seq_len, names)
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
 
     splits = summary["splits"]
     counts = {f"{split}_{k}": splits[split][k] for split in SPLITS for k in ("documents", "sequences", "tokens",
                                                                              "padding")}
+    for src in splits["train"].get("sources", ()):  # per named source: in the manifest and the lineage
+        counts[f"train_sequences.{src['name']}"], counts[f"train_tokens.{src['name']}"] = src["sequences"], src["tokens"]
     train = splits["train"]
     return StageResult(
         metrics={"train_padding_share": train["padding"] / max(train["sequences"] * cfg.max_seq_len, 1),

@@ -38,13 +38,17 @@ def test_an_existing_path_with_an_equals_sign_stays_a_path(tmp_path, monkeypatch
     (["a=X:weight=0", "b=X:weight=1"], "corpus source 'a': weight=0 must be > 0; give it a positive weight"),
     (["a=X:weight=-1"], "corpus source 'a': weight=-1 must be > 0"),
     (["a=X:epochs=0"], "corpus source 'a': epochs=0 must be > 0"),
+    (["a=X:weight=1", "b=Y:weight=1e-5"], "corpus source 'b': weight=1e-05 is under 0.0001 of the weights' sum"),
     (["a=X:weight=0.5:epochs=2"], "corpus source 'a': weight=0.5 and epochs=2 both given; a source's share is set "
                                   "by one of them: keep :weight= or :epochs="),
     (["a=X:weight=1", "a=Y:weight=1"], "corpus source name 'a' is given twice; name each source once"),
+    (["a=X:weight=1", "b=Y", "c=Z:epochs=2"], "corpus sources 'a' have a weight and 'b', 'c' none; give every "
+                                              "source a :weight=, or none of them"),
     (["a=X", "Y"], "--corpus Y: name every source or none"),
     (["a=X:wieght=1"], "corpus source 'a': unknown option :wieght=;"),
     (["a=X:weight=half"], "corpus source 'a': :weight=half is not a number"),
-], ids=["weight-0", "weight-negative", "epochs-0", "weight-and-epochs", "one-name-twice", "mixed", "typo", "nan"])
+], ids=["weight-0", "weight-negative", "epochs-0", "weight-tiny", "weight-and-epochs", "one-name-twice", "weights-on-some",
+        "mixed", "typo", "nan"])
 def test_bad_sources_are_one_error_line_before_ray(corpus, fragment, tmp_path, capsys):
     """Refused while the config is resolved: before the corpus is listed (X does not exist) and before Ray."""
     assert main(["--corpus", *corpus, "--workdir", str(tmp_path / "wd"), "--dry-run"]) == 2
