@@ -24,12 +24,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
 from deberta import config as model_presets
 from core.artifacts import Artifact, ArtifactStore
 from core.config import PretrainConfig, TokenizeConfig, VocabConfig
+from tests.s3_server import s3_server  # noqa: F401  (Ray Train's storage in a bucket)
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -175,7 +177,7 @@ def drive(spec_path: str) -> None:
         name = job["module"].rsplit(".", 1)[-1]  # stages.<stage>
         store = ArtifactStore(job["workdir"])
         ctx = StageContext(artifact_id=job["id"], workdir=job["workdir"], scratch=store.scratch(name, job["id"]),
-                           storage_path=str(job["workdir"] / "ray_results"), tracker=job["tracker"],
+                           storage_path=job.get("storage") or str(job["workdir"] / "ray_results"), tracker=job["tracker"],
                            lineage=job.get("lineage", {}), preset="debug", stage=name)
         try:
             with store.building(name, job["id"], {"stage": name}) as out:
@@ -189,19 +191,21 @@ def drive(spec_path: str) -> None:
 
 def start_driver(cluster: Cluster, jobs: list[dict], tmp: Path,
                  env_vars: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
-    """`env_vars`: the job's runtime_env, seen by every Ray Train worker it starts."""
+    """`env_vars`: the driver's and the job's runtime_env, seen by every Ray Train worker it starts."""
     spec, result = tmp / f"spec-{time.time_ns()}.pkl", tmp / f"result-{time.time_ns()}.pkl"
     spec.write_bytes(pickle.dumps({"address": cluster.address, "jobs": jobs, "result": str(result),
                                    "env_vars": env_vars or {}}))
     code = ("import importlib.util, sys; s = importlib.util.spec_from_file_location('pretrain_driver', sys.argv[1]); "
             "m = sys.modules[s.name] = importlib.util.module_from_spec(s); s.loader.exec_module(m); "
             "m.drive(sys.argv[2])")
-    proc = subprocess.Popen([PY, "-c", code, __file__, str(spec)], env=cluster.env, cwd=REPO, start_new_session=True)
+    proc = subprocess.Popen([PY, "-c", code, __file__, str(spec)], env={**cluster.env, **(env_vars or {})}, cwd=REPO,
+                            start_new_session=True)
     return proc, result
 
 
-def run_driver(cluster: Cluster, jobs: list[dict], tmp: Path, timeout: float = 300) -> list[tuple[str, object]]:
-    return wait_driver(*start_driver(cluster, jobs, tmp), timeout=timeout)
+def run_driver(cluster: Cluster, jobs: list[dict], tmp: Path, timeout: float = 300,
+               env_vars: dict[str, str] | None = None) -> list[tuple[str, object]]:
+    return wait_driver(*start_driver(cluster, jobs, tmp, env_vars), timeout=timeout)
 
 
 def wait_driver(proc: subprocess.Popen, result: Path, timeout: float = 300) -> list[tuple[str, object]]:
@@ -283,9 +287,40 @@ def pretrain_job(cfg, art_id, workdir, tokens, model_cfg, lineage) -> dict:
                 extra={"model": model_cfg}, lineage={k: v.id for k, v in tokens.items()})
 
 
-def checkpoints(workdir: Path, art_id: str) -> list[Path]:
+@dataclass(frozen=True)
+class RayStorage:
+    """Ray Train's storage path as the tests look into it: a file system (local, or the S3 server's) and the root."""
+
+    fs: pafs.FileSystem
+    root: str
+
+    @classmethod
+    def local(cls, workdir: Path) -> "RayStorage":
+        return cls(pafs.LocalFileSystem(), str(workdir / "ray_results"))
+
+    def run(self, art_id: str) -> str:
+        return f"{self.root}/pretrain-{art_id}"
+
+    def ls(self, path: str, recursive: bool = False) -> list[pafs.FileInfo]:
+        return sorted(self.fs.get_file_info(pafs.FileSelector(path, recursive=recursive, allow_not_found=True)),
+                      key=lambda i: i.path)
+
+    def read(self, path: str) -> bytes:
+        with self.fs.open_input_stream(path) as f:
+            return f.read()
+
+    def cut_short(self, path: str) -> bytes:
+        """Rewrite the file with its first half (a write cut short); returns what it held."""
+        whole = self.read(path)
+        with self.fs.open_output_stream(path, compression=None) as f:
+            f.write(whole[: len(whole) // 2])
+        return whole
+
+
+def checkpoints(storage: RayStorage, art_id: str) -> list[str]:
     """Checkpoint directories Ray Train kept for the run, oldest first."""
-    return sorted(p for p in (workdir / "ray_results" / f"pretrain-{art_id}").glob("checkpoint_*") if p.is_dir())
+    return [i.path for i in storage.ls(storage.run(art_id))
+            if i.type == pafs.FileType.Directory and i.base_name.startswith("checkpoint_")]
 
 
 def history(tracker, key: str) -> list[tuple[int, float]]:
@@ -294,19 +329,19 @@ def history(tracker, key: str) -> list[tuple[int, float]]:
     return [(m.step, m.value) for m in sorted(hist, key=lambda m: (m.timestamp, m.step))]
 
 
-def registered_step(workdir: Path, art_id: str) -> int:
+def registered_step(storage: RayStorage, art_id: str) -> int:
     """Latest step whose checkpoint Ray Train has registered (its run snapshot lists the reported metrics).
 
     Registration trails the workers' report a little (the controller polls them), and a checkpoint not yet
     registered when a worker dies is not restored, so the tests wait for this before killing anything."""
-    snapshot = workdir / "ray_results" / f"pretrain-{art_id}" / "checkpoint_manager_snapshot.json"
     try:
-        return max((int(s) for s in re.findall(r'step\\*"\s*:\s*(\d+)', snapshot.read_text())), default=0)
+        text = storage.read(f"{storage.run(art_id)}/checkpoint_manager_snapshot.json").decode()
     except OSError:
         return 0
+    return max((int(s) for s in re.findall(r'step\\*"\s*:\s*(\d+)', text)), default=0)
 
 
-def kill_worker_at(cluster: Cluster, tracker, workdir: Path, art_id: str, checkpoint: int, step: int,
+def kill_worker_at(cluster: Cluster, tracker, storage: RayStorage, art_id: str, checkpoint: int, step: int,
                    timeout: float = 400) -> threading.Thread:
     """Background thread: once the step-`checkpoint` checkpoint is registered and `loss` has reached `step` in
     MLflow, SIGKILL one Ray Train worker process."""
@@ -315,7 +350,7 @@ def kill_worker_at(cluster: Cluster, tracker, workdir: Path, art_id: str, checkp
     def watch():
         deadline = time.time() + timeout
         while time.time() < deadline and not killed:
-            if registered_step(workdir, art_id) >= checkpoint and any(s >= step for s, _ in history(tracker, "loss")):
+            if registered_step(storage, art_id) >= checkpoint and any(s >= step for s, _ in history(tracker, "loss")):
                 pids = cluster.pids("RayTrainWorker")
                 if pids:
                     os.kill(max(pids), signal.SIGKILL)
@@ -379,10 +414,11 @@ def test_zero2_two_nodes_mlflow_registry(ray_cluster_2_nodes, tokens, model_cfg,
     out = workdir / "artifacts" / "pretrain" / "z2"
     metrics = check_trained(result, out, tracker, BASE, ray_cluster_2_nodes, model_cfg)
     # checkpoints written by every rank and kept by Ray Train
-    ckpts = checkpoints(workdir, "z2")
-    assert ckpts and all((c / "train_state.json").is_file() for c in ckpts)
-    last = ckpts[-1] / f"step{BASE.max_steps}"
-    assert {p.name for p in last.glob("zero_pp_rank_*_optim_states.pt")} == {
+    storage = RayStorage.local(workdir)
+    ckpts = checkpoints(storage, "z2")
+    assert ckpts and all(storage.fs.get_file_info(f"{c}/train_state.json").is_file for c in ckpts)
+    last = f"{ckpts[-1]}/step{BASE.max_steps}"
+    assert {i.base_name for i in storage.ls(last) if i.base_name.endswith("_optim_states.pt")} == {
         "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"}
     # MLflow: once per step (rank 0 only), and the registry entry with lineage tags
     steps = [s for s, _ in history(tracker, "loss")]
@@ -412,9 +448,9 @@ def restarts(steps: list[int]) -> list[int]:
     return [i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]]
 
 
-def test_zero3_survives_worker_loss_and_stage_restart(ray_cluster_2_nodes, tokens, model_cfg, workdir, lineage,
-                                                       tmp_path):
-    """ZeRO-3 run: one worker is killed after the step-6 checkpoint (Ray Train restores it), later the whole
+def test_zero3_survives_worker_loss_and_stage_restart(ray_cluster_2_nodes, s3_server, tokens, model_cfg,  # noqa: F811
+                                                       workdir, lineage, tmp_path):
+    """ZeRO-3 run with Ray Train's storage in the S3 server's bucket: one worker is killed after the step-6 checkpoint (Ray Train restores it), later the whole
     stage is stopped (driver killed) after a newer checkpoint, whose rank-1 optimizer shard is then truncated to
     half (a node lost mid-write, a bad disk), as is Ray Train's checkpoint snapshot (the driver killed while
     writing it), and run again: it sets the snapshot aside, skips that checkpoint, says so, and resumes from the
@@ -422,14 +458,16 @@ def test_zero3_survives_worker_loss_and_stage_restart(ray_cluster_2_nodes, token
     position were all restored."""
     cfg = replace(BASE, zero_stage=3, max_steps=30, ckpt_interval=6, eval_interval=15, max_failures=1)
     job = pretrain_job(cfg, "z3", workdir, tokens, model_cfg, lineage)
+    job["storage"] = f"s3://{s3_server.bucket}/ray"
+    storage = RayStorage(s3_server.filesystem(), f"{s3_server.bucket}/ray")
     tracker = job["tracker"]
-    killer = kill_worker_at(ray_cluster_2_nodes, tracker, workdir, "z3", checkpoint=6, step=8)
-    proc, _ = start_driver(ray_cluster_2_nodes, [job], tmp_path)
+    killer = kill_worker_at(ray_cluster_2_nodes, tracker, storage, "z3", checkpoint=6, step=8)
+    proc, _ = start_driver(ray_cluster_2_nodes, [job], tmp_path, env_vars=s3_server.env)
     deadline = time.time() + 400
     while time.time() < deadline:  # stop the stage once it trains again after the restore, past a new checkpoint
         assert proc.poll() is None, "the first driver ended before it could be stopped"
         restored = history(tracker, "restored_from_step")
-        if restored and registered_step(workdir, "z3") >= restored[0][0] + 6:
+        if restored and registered_step(storage, "z3") >= restored[0][0] + 6:
             break
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
@@ -438,20 +476,22 @@ def test_zero3_survives_worker_loss_and_stage_restart(ray_cluster_2_nodes, token
     assert not (workdir / "artifacts" / "pretrain" / "z3").exists()
     # the checkpoint a restart restores: the newest registered one (a newer directory may be unregistered, and a
     # step the worker loss made run twice has two directories; Ray Train names them by time)
-    newest_step = registered_step(workdir, "z3")
+    newest_step = registered_step(storage, "z3")
     # every directory of that step or later (one Ray Train never registered, too): with the snapshot gone, the
     # restart lists them all
-    damaged = [c for c in checkpoints(workdir, "z3") if any(int(d.name[4:]) >= newest_step for d in c.glob("step*"))]
+    damaged = [c for c in checkpoints(storage, "z3")
+               if any(i.base_name.startswith("step") and int(i.base_name[4:]) >= newest_step for i in storage.ls(c))]
     # the restart lists the finished ones (a state file written), newest first, and skips each: exactly these
-    finished = [c for c in damaged if (c / "train_state.json").is_file()]
-    for shard in (s for c in damaged for s in c.glob("step*/zero_pp_rank_1_mp_rank_00_optim_states.pt")):
-        os.truncate(shard, shard.stat().st_size // 2)
-    snapshot = workdir / "ray_results" / "pretrain-z3" / "checkpoint_manager_snapshot.json"
-    whole = snapshot.read_bytes()
-    os.truncate(snapshot, len(whole) // 2)
-    [(kind, result)] = run_driver(ray_cluster_2_nodes, [job], tmp_path)  # the stage, run again
+    finished = [c for c in damaged if storage.fs.get_file_info(f"{c}/train_state.json").is_file]
+    for c in damaged:  # each object rewritten with its first half: an upload cut short
+        for shard in storage.ls(c, recursive=True):
+            if shard.base_name == "zero_pp_rank_1_mp_rank_00_optim_states.pt":
+                storage.cut_short(shard.path)
+    snapshot = f"{storage.run('z3')}/checkpoint_manager_snapshot.json"
+    whole = storage.cut_short(snapshot)
+    [(kind, result)] = run_driver(ray_cluster_2_nodes, [job], tmp_path, env_vars=s3_server.env)  # run again
     assert kind == "ok", result
-    assert snapshot.with_name(snapshot.name + ".cut-short").read_bytes() == whole[: len(whole) // 2]
+    assert storage.read(snapshot + ".cut-short") == whole[: len(whole) // 2]
 
     losses = history(tracker, "loss")
     steps = [s for s, _ in losses]
@@ -477,8 +517,8 @@ def test_zero3_survives_worker_loss_and_stage_restart(ray_cluster_2_nodes, token
     assert math.isfinite(losses[-1][1])
     out = workdir / "artifacts" / "pretrain" / "z3"
     check_trained(result, out, tracker, cfg, ray_cluster_2_nodes, model_cfg)
-    last = checkpoints(workdir, "z3")[-1] / f"step{cfg.max_steps}"
-    assert len(list(last.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"))) == 2  # parameters sharded
+    last = f"{checkpoints(storage, 'z3')[-1]}/step{cfg.max_steps}"
+    assert len([i for i in storage.ls(last) if i.base_name.endswith("_mp_rank_00_model_states.pt")]) == 2  # sharded
 
 
 def test_rtd_two_nodes_resumes_after_worker_loss(ray_cluster_2_nodes, tokens, model_cfg, workdir, lineage, tmp_path):
@@ -497,7 +537,7 @@ def test_rtd_two_nodes_resumes_after_worker_loss(ray_cluster_2_nodes, tokens, mo
                   max_failures=1)
     job = pretrain_job(cfg, "rtd", workdir, tokens, model_cfg, lineage)
     tracker = job["tracker"]
-    killer = kill_worker_at(ray_cluster_2_nodes, tracker, workdir, "rtd", checkpoint=20, step=22)
+    killer = kill_worker_at(ray_cluster_2_nodes, tracker, RayStorage.local(workdir), "rtd", checkpoint=20, step=22)
     [(kind, result)] = run_driver(ray_cluster_2_nodes, [job], tmp_path, timeout=600)
     assert kind == "ok", result
     assert killer.killed, "no training worker was killed"
