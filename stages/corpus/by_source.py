@@ -64,12 +64,17 @@ def check_kept(blend: Sequence[CorpusSource], read: np.ndarray, removed_hi: np.n
 def write(out: Path, blend: Sequence[CorpusSource], ranks: Sequence[int], read: np.ndarray,
           kept: np.ndarray) -> list[dict]:
     """sources.json: per source, in the order listed, its spec and its documents (read, removed as duplicates,
-    kept in each split); what pretraining's blend and the dry run read."""
+    kept in each split); what the tokenize stage hands on to pretraining's blend. StageInputError naming a source
+    with no train document."""
     per_split = {}
     for split in ("train", "validation"):
         names = pq.read_table(out / split, columns=[COLUMN]).column(COLUMN)
         counts = pc.value_counts(names)
         per_split[split] = dict(zip(counts.field("values").to_pylist(), counts.field("counts").to_pylist()))
+    for r, src in enumerate(blend):  # pretraining blends the train split: every source needs a row there
+        if not per_split["train"].get(src.name):
+            raise StageInputError(f"corpus source {src.name!r} has no train documents: its {int(kept[r])} documents "
+                                  f"left after dedup all fell in the validation split; add documents to it or drop it")
     files = np.bincount(np.asarray(ranks, np.int64), minlength=len(blend))
     rows = [{"name": s.name, "path": s.path, "weight": s.weight, "epochs": s.epochs, "files": int(files[r]),
              "documents_read": int(read[r]), "duplicates_removed": int(read[r] - kept[r]),

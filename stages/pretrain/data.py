@@ -143,6 +143,34 @@ def rank_batches(split: Sequences, seed: int, epoch: int, rank: int, world: int,
 # ---------------------------------------------------------------- named sources
 
 
+def source_columns(files: Sequence[str]) -> tuple[np.ndarray, np.ndarray, list[dict]] | None:
+    """(each row's source rank, its length, the sources' specs) of token shards of named sources, else None."""
+    schema = pa.ipc.open_file(pa.memory_map(str(files[0]))).schema
+    if SOURCE_COLUMN not in schema.names or not schema.metadata or SOURCES_METADATA not in schema.metadata:
+        return None
+    split = Sequences(files, [SOURCE_COLUMN, "length"])
+    every = split.take(np.arange(len(split)))
+    return every[SOURCE_COLUMN], every["length"], json.loads(schema.metadata[SOURCES_METADATA])
+
+
+def source_samples(files: Sequence[str], want: int, world: int, micro: int, seed: int) -> dict[str, np.ndarray]:
+    """Per named source of a (validation) split, a fixed sample of up to `want` of its rows as (world, per rank)
+    indices, whole micro-batches per rank, drawn uniformly (seeded by `seed`); sources with fewer than
+    world x micro rows are left out. Empty for one unnamed source."""
+    found = source_columns(files) if files else None
+    if found is None:
+        return {}
+    source, _, specs = found
+    out = {}
+    for s, spec in enumerate(specs):
+        rows = np.flatnonzero(source == s)
+        per_rank = min(len(rows), want) // world // micro * micro
+        if per_rank:
+            picked = np.sort(np.random.default_rng([seed, s]).choice(rows, size=per_rank * world, replace=False))
+            out[spec["name"]] = picked.reshape(world, per_rank)
+    return out
+
+
 PERIOD = 1 << 20
 """Positions of one period of the interleave: shares are kept to 1 / PERIOD."""
 
@@ -193,6 +221,9 @@ class Blend:
     def of(cls, source: np.ndarray, length: np.ndarray, specs: Sequence[dict], period: int = PERIOD) -> "Blend":
         """From each row's source rank and length, and the sources' specs (sources.json: name, weight, epochs)."""
         rows = [np.flatnonzero(source == s) for s in range(len(specs))]
+        empty = [spec["name"] for spec, r in zip(specs, rows) if not len(r)]
+        if empty:
+            raise ValueError(f"source {empty[0]!r} has no sequences in the split to blend")
         tokens = np.array([length[r].sum() for r in rows], dtype=np.float64)
         token_shares = shares(specs, tokens)
         per_row = tokens / np.maximum([len(r) for r in rows], 1)  # a source's mean tokens per sequence
@@ -203,12 +234,8 @@ class Blend:
     @classmethod
     def of_files(cls, files: Sequence[str]) -> "Blend | None":
         """The blend of token shards with a `source` column (None without: one unnamed source)."""
-        schema = pa.ipc.open_file(pa.memory_map(str(files[0]))).schema
-        if SOURCE_COLUMN not in schema.names or not schema.metadata or SOURCES_METADATA not in schema.metadata:
-            return None
-        split = Sequences(files, [SOURCE_COLUMN, "length"])
-        every = split.take(np.arange(len(split)))
-        return cls.of(every[SOURCE_COLUMN], every["length"], json.loads(schema.metadata[SOURCES_METADATA]))
+        found = source_columns(files)
+        return None if found is None else cls.of(*found)
 
     @functools.cached_property
     def positions(self) -> list[np.ndarray]:
@@ -262,3 +289,16 @@ class Blend:
                  "weight": float(self.token_shares[s]), "sequences_seen": int(drawn[s]),
                  "tokens_seen": int(round(seen[s])), "epochs": float(drawn[s] / sizes[s])}
                 for s, name in enumerate(self.names)]
+
+
+def report_lines(report: Sequence[dict]) -> str:
+    """`Blend.delivered` as a table: what each source holds and what the run reads of it."""
+    lines = ["  source        sequences        tokens  weight   tokens seen   epochs"]
+    lines += [f"  {r['name']:<12} {r['sequences']:>10,} {r['tokens']:>13,}  {r['weight']:>6.3f} "
+              f"{r['tokens_seen']:>13,}  {r['epochs']:>7.3f}" for r in report]
+    return "\n".join(lines)
+
+
+def lineage_params(report: Sequence[dict]) -> dict[str, object]:
+    """`Blend.delivered` as flat MLflow params, source.NAME.FIELD."""
+    return {f"source.{r['name']}.{k}": v for r in report for k, v in r.items() if k != "name"}

@@ -231,6 +231,42 @@ def validation_batches(job: LoopJob, rank: int, world: int) -> list[dict[str, to
     return [dict(zip(mine, parts)) for parts in zip(*(t.split(micro) for t in mine.values()))]
 
 
+def source_validation_batches(job: LoopJob, rank: int, world: int) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """Named sources: per source, this worker's slice of a fixed sample of up to eval_batches x micro x world of its
+    own validation sequences (`data.source_samples`), for a validation loss per source beside the blended one (a
+    source whose loss rises is what a blend is watched for). Empty for one unnamed source."""
+    micro = job.cfg.micro_batch_size
+    samples = data.source_samples(job.val_files, job.cfg.eval_batches * micro * world, world, micro, job.cfg.seed)
+    split = data.Sequences(job.val_files, shard_columns(job)) if samples else None
+    out = {}
+    for name, picked in samples.items():
+        mine = to_batch(split.take(picked[rank]))
+        out[name] = [dict(zip(mine, parts)) for parts in zip(*(t.split(micro) for t in mine.values()))]
+    return out
+
+
+def evaluate_sources(engine, job: LoopJob, masker, per_source: dict[str, list[dict[str, torch.Tensor]]], rank: int,
+                     world: int) -> dict[str, float]:
+    """val_loss.NAME: the validation loss of each named source's own sample (every rank runs the same sources)."""
+    return {f"val_loss.{name}": evaluate(engine, job, masker, batches, rank, world)["val_loss"]
+            for name, batches in per_source.items()}
+
+
+def log_sources(job: LoopJob, rank0: RankZero, rank: int, world: int, accumulation: int) -> None:
+    """Named sources, on rank 0: per source what it holds and what this run reads of it (`data.Blend.delivered`:
+    weight, tokens seen, passes), printed and recorded in the run's params (source.NAME.FIELD)."""
+    blend = data.Blend.of_files(job.train_files) if rank == 0 else None
+    if blend is None:
+        return
+    report = blend.delivered(job.cfg.max_steps, accumulation, world, job.cfg.micro_batch_size)
+    rank0.print(f"sources blended over {job.cfg.max_steps:,} steps:\n{data.report_lines(report)}")
+    try:  # lineage, not training: a tracking outage here is a warning, as metric points are (RankZero)
+        if job.tracker is not None:
+            job.tracker.log_params(data.lineage_params(report))
+    except Exception as e:  # noqa: BLE001
+        rank0.print(f"warning: the sources' params could not be logged: {type(e).__name__}: {e}")
+
+
 def evaluate(engine, job: LoopJob, masker, batches: list[dict[str, torch.Tensor]], rank: int,
              world: int, extra: dict[str, Any] | None = None) -> dict[str, float]:
     """Validation numbers of the objective on every worker's batches (`validation_sums`, summed over workers)."""
@@ -327,9 +363,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 f"attention {job.model.attn_impl}, accumulation {accum}; config "
                 + json.dumps({"pretrain": asdict(cfg), "deepspeed": job.ds_config.to_dict()}, sort_keys=True))
     state = restore(engine, rank0, rank, world, job.run_dir)
+    log_sources(job, rank0, rank, world, accum)
     val_batches = validation_batches(job, rank, world)
+    source_val = source_validation_batches(job, rank, world)
     if state.step == 0:
-        rank0.log(evaluate(engine, job, masker, val_batches, rank, world), step=0)
+        rank0.log({**evaluate(engine, job, masker, val_batches, rank, world),
+                   **evaluate_sources(engine, job, masker, source_val, rank, world)}, step=0)
         released = job.objective.released_loss_inputs() if job.init_weights else None
         if released is not None:  # the checkpoint as transformers computes it: proof that all of it was taken
             loss = evaluate(engine, job, masker, val_batches, rank, world, released)
@@ -347,10 +386,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if state.step % cfg.log_interval == 0 or done:
             log_step(job, rank0, engine, means, state, world, timer)
         if state.step % cfg.eval_interval == 0 or done:
-            last_eval = evaluate(engine, job, masker, val_batches, rank, world)
+            last_eval = {**evaluate(engine, job, masker, val_batches, rank, world),
+                         **evaluate_sources(engine, job, masker, source_val, rank, world)}
             rank0.print(f"step {state.step} validation loss {last_eval['val_loss']:.4f} accuracy "
                         f"{last_eval['val_accuracy']:.3f} perplexity {last_eval['val_perplexity']:.1f}"
-                        + objective.eval_line(last_eval))
+                        + objective.eval_line(last_eval)
+                        + "".join(f", {k} {v:.4f}" for k, v in last_eval.items() if k.startswith("val_loss.")))
             rank0.log(last_eval, step=state.step)
         if state.step % cfg.ckpt_interval == 0 or done:
             final = {"worker_nodes": nodes, "unsent_metrics": rank0.close()} if done else {}

@@ -88,3 +88,40 @@ def test_the_loop_reads_the_blend_and_resumes_it_mid_epoch(tokens):
     later = list(data.rank_batches(resumed, 11, 1, 1, WORLD, MICRO, start=5))
     assert all(np.array_equal(a["length"], b["length"]) and np.array_equal(a["source"], b["source"])
                for a, b in zip(later, read[1][5:], strict=True))
+
+
+def test_the_loop_validates_each_source_and_records_what_the_run_reads(tokens, tmp_path):
+    """The pretraining loop's parts for named sources, on the real shards: each source's validation sample holds
+    only its rows, alike on every rank; and rank 0 records per source what the run reads as the stage's params,
+    the numbers `Blend.delivered` gives (checked against the order above), in a real MLflow store."""
+    import mlflow
+
+    from core.config import PretrainConfig
+    from core.lineage import Lineage
+    from deberta.config import debug
+    from stages.pretrain import objective_for
+    from stages.pretrain.loop import LoopJob, log_sources, source_validation_batches
+    from stages.pretrain.rank_zero import RankZero
+    from training.deepspeed_config import build_deepspeed_config
+
+    art, _ = tokens
+    files = {split: tuple(sorted(str(f) for f in (Path(art.path) / split).glob("*.arrow")))
+             for split in ("train", "validation")}
+    cfg = PretrainConfig(num_workers=WORLD, micro_batch_size=MICRO, train_batch_size=WORLD * MICRO, eval_batches=2,
+                         max_steps=300)
+    tracker = Lineage(tmp_path).start("test", {"preset": "test"}, ["pretrain"])
+    job = LoopJob(cfg=cfg, objective=objective_for(cfg), model=debug(), ds_config=build_deepspeed_config(cfg, 2, False),
+                  seq_len=64, train_files=files["train"], val_files=files["validation"], tokenizer_len=1001,
+                  mask_id=1000, special_ids=(0, 1, 2, 3), word_start=b"", train_flops_per_token=0.0, tracker=tracker)
+    val = data.Sequences(files["validation"], ["source", "input_ids"])
+    per_rank = [source_validation_batches(job, rank, WORLD) for rank in range(WORLD)]
+    assert list(per_rank[0]) == ["news", "speeches"] == list(per_rank[1])
+    for s, name in enumerate(per_rank[0]):
+        assert len(per_rank[0][name]) == len(per_rank[1][name]) >= 1  # every rank runs the same forwards
+        ids = {tuple(row.tolist()) for rank in per_rank for b in rank[name] for row in b["input_ids"]}
+        mine = val.take(np.flatnonzero(val.take(np.arange(len(val)))["source"] == s))["input_ids"]
+        assert ids <= {tuple(row.tolist()) for row in mine}
+    log_sources(job, RankZero(0, tracker), 0, WORLD, 1)
+    params = mlflow.MlflowClient(tracker.tracking_uri).get_run(tracker.run_id).data.params
+    report = data.Blend.of_files(files["train"]).delivered(300, 1, WORLD, MICRO)
+    assert params["source.speeches.epochs"] == str(report[1]["epochs"]) and params["source.news.weight"] == "0.5"

@@ -71,3 +71,18 @@ def test_a_source_empty_after_dedup_is_one_error_and_no_splits(articles, ray_loc
                                               r"is a copy of one of 'first'.*drop 'copies' from --corpus"):
         _run([CorpusSource("first", first), CorpusSource("copies", copies)], out)
     assert not (out / "train").exists() and not (out / "validation").exists()
+
+
+def test_a_source_with_no_train_document_is_one_error(articles, ray_local, tmp_path):
+    """Pretraining blends the train split, so a source whose documents all fall in validation (here one article,
+    in a file whose name puts its one id there) is refused, naming it."""
+    from stages.corpus.ingest import doc_id
+    from stages.corpus.shard import is_validation
+
+    name = next(f"solo{i}.jsonl" for i in range(1000) if is_validation([doc_id(str(tmp_path / f"solo{i}.jsonl"), 0, 1)],
+                                                                       CorpusConfig().validation_fraction)[0])
+    first = _write(tmp_path / "first.jsonl", articles[:20])
+    solo = _write(tmp_path / name, articles[50:51])
+    with pytest.raises(StageInputError, match=r"corpus source 'solo' has no train documents: its 1 documents left "
+                                              r"after dedup all fell in the validation split"):
+        _run([CorpusSource("first", first), CorpusSource("solo", solo)], tmp_path / "out")

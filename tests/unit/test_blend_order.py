@@ -146,3 +146,22 @@ def test_the_packer_never_puts_two_sources_in_one_row(tmp_path):
     assert packer.by_source[name].sum(axis=1).tolist() == [sequences, tokens]
     blend = data.Blend.of_files([tmp_path / "out" / name])
     assert blend.names == ("even", "odd") and blend.token_shares.tolist() == [0.25, 0.75]
+    # per-source validation samples: rows of that source only, whole micro-batches per rank, fixed by the seed
+    samples = data.source_samples([tmp_path / "out" / name], want=40, world=2, micro=4, seed=0)
+    source = got.column("source").to_numpy()
+    assert list(samples) == ["even", "odd"] and all(s.shape == (2, 20) for s in samples.values())
+    assert (source[samples["even"]] == 0).all() and (source[samples["odd"]] == 1).all()
+    assert np.array_equal(samples["odd"], data.source_samples([tmp_path / "out" / name], 40, 2, 4, 0)["odd"])
+    few = data.source_samples([tmp_path / "out" / name], want=10**6, world=2, micro=10**4, seed=0)
+    assert few == {}  # no source has 2 x 10,000 rows: none is sampled
+
+
+def test_the_run_report_names_each_source(rows):
+    source, length = rows
+    blend = data.Blend.of(source, length, [{"name": "news", "weight": 0.5}, {"name": "speeches", "weight": 0.5}])
+    report = blend.delivered(100, ACCUMULATION, WORLD, MICRO)
+    params = data.lineage_params(report)
+    assert params["source.speeches.epochs"] == report[1]["epochs"] and params["source.news.weight"] == 0.5
+    table = data.report_lines(report).splitlines()
+    assert table[0].split() == ["source", "sequences", "tokens", "weight", "tokens", "seen", "epochs"]
+    assert table[2].split()[0] == "speeches" and table[2].split()[-1] == f"{report[1]['epochs']:.3f}"
