@@ -479,22 +479,22 @@ def apply_overrides(cfg: PipelineConfig, overrides: list[str]) -> PipelineConfig
     return cfg
 
 
-def with_corpus_arguments(cfg: PipelineConfig, corpus: list[str] | None) -> tuple[PipelineConfig, tuple[str, ...]]:
+def with_corpus_arguments(cfg: PipelineConfig, corpus: list[str] | None) -> PipelineConfig:
     """`--corpus` arguments: all named (`NAME=PATH[:weight=W|:epochs=E]`) set `corpus.sources`; none named are
-    one unnamed source, returned as its patterns (today's `--corpus PATH...`). ConfigError for a mix, or for named
-    sources given both by `--corpus` and `--set corpus.sources`."""
+    one unnamed source, as always (`external_inputs` lists them). ConfigError for a mix, or for a corpus given both
+    by `--corpus` and by `--set corpus.sources`."""
     if not corpus:
-        return cfg, ()
+        return cfg
     named = [CorpusSource.is_named(a) for a in corpus]
     if not any(named):
         _check(not cfg.corpus.sources, "--corpus PATH and --set corpus.sources both give the corpus; give it once")
-        return cfg, tuple(corpus)
+        return cfg
     unnamed = [a for a, n in zip(corpus, named) if not n]
     if unnamed:
         raise ConfigError(f"--corpus {unnamed[0]}: name every source or none (NAME=PATH_OR_URI[:weight=W|:epochs=E], "
                           f"e.g. news={unnamed[0]}), or list unnamed paths alone for one unnamed source")
     _check(not cfg.corpus.sources, "--corpus NAME=... and --set corpus.sources both give the sources; give them once")
-    return dataclasses.replace(cfg, corpus=dataclasses.replace(cfg.corpus, sources=tuple(corpus))), ()
+    return dataclasses.replace(cfg, corpus=dataclasses.replace(cfg.corpus, sources=tuple(corpus)))
 
 
 def pretrain_accumulation(p: PretrainConfig, world_size: int) -> int:

@@ -39,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="debug", help=f"model size and schedule: {presets} (default: debug)")
     p.add_argument("--corpus", nargs="+", metavar="PATH_OR_GLOB",
                    help="text files, directories or globs (.txt/.jsonl/.parquet, optionally .gz/.bz2/.zst), "
-                        "or pyarrow.fs URIs; default: the built-in news corpus")
+                        "or pyarrow.fs URIs, pooled as one source; or named sources blended to weights, each "
+                        "NAME=PATH_OR_URI[:weight=W|:epochs=E] (docs/configuration.md); default: the built-in "
+                        "news corpus")
     p.add_argument("--task", metavar="NAME_OR_PATH",
                    help="fine-tuning task: rotten-tomatoes, lee-sts, wnut16-ner, or a task directory (GLUE-format "
                         "sentence files, CoNLL/JSONL token files, or SQuAD JSON)")
@@ -84,7 +86,7 @@ def resolve_config(args: argparse.Namespace) -> PipelineConfig:
         overrides.append(f"finetune.init={args.pretrained}")
     try:
         cfg = apply_overrides(cfg, overrides)
-        cfg, _ = with_corpus_arguments(cfg, args.corpus)  # named sources become corpus.sources
+        cfg = with_corpus_arguments(cfg, args.corpus)  # named sources become corpus.sources
         check_config(cfg)
     except ConfigError as e:
         raise UserError(str(e)) from None

@@ -63,7 +63,9 @@ def test_sources_in_the_config_are_checked_alike():
     cfg = PRESETS["debug"]()
     with pytest.raises(ConfigError, match="both give the sources"):
         with_corpus_arguments(PipelineConfig(**{**vars(cfg), "corpus": CorpusConfig(sources=("a=X",))}), ["b=Y"])
-    assert with_corpus_arguments(cfg, ["a", "b"]) == (cfg, ("a", "b"))  # unnamed paths: one unnamed source
+    assert with_corpus_arguments(cfg, ["a", "b"]) == cfg  # unnamed paths: one unnamed source, as always
+    named = with_corpus_arguments(cfg, ["a=X:weight=1", "b=s3://bucket/b/:weight=3"])
+    assert [s.spec() for s in named.corpus.blend()] == ["a=X:weight=1", "b=s3://bucket/b/:weight=3"]
 
 
 def test_source_rank_orders_ids_and_reads_back():
