@@ -28,14 +28,16 @@ two of its share), and takes that source's next sequence from the source's own s
 permutation per pass, seeded by (seed, source, pass). A source that runs out starts its next pass while the
 others continue (its passes are counted: `Blend.delivered`); none is starved or stopped. "Epoch" stays a block
 of N positions of the order (N: all train sequences), so steps 1 to 3 above, resume included, are unchanged: a
-position's sequence is a pure function of (x, seed), found by index arithmetic.
+position's sequence is a pure function of (x, seed), found by index arithmetic. Memory: the epoch's order (4 bytes
+a sequence), each source's row indices and its current pass's permutation (8 bytes a sequence in all), made
+CHUNK positions at a time; at 20M sequences an epoch's order takes about twice one permutation's time.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -148,9 +150,9 @@ def source_columns(files: Sequence[str]) -> tuple[np.ndarray, np.ndarray, list[d
     schema = pa.ipc.open_file(pa.memory_map(str(files[0]))).schema
     if SOURCE_COLUMN not in schema.names or not schema.metadata or SOURCES_METADATA not in schema.metadata:
         return None
-    split = Sequences(files, [SOURCE_COLUMN, "length"])
-    every = split.take(np.arange(len(split)))
-    return every[SOURCE_COLUMN], every["length"], json.loads(schema.metadata[SOURCES_METADATA])
+    chunks = Sequences(files, [SOURCE_COLUMN, "length"]).chunks
+    return (np.concatenate([c[SOURCE_COLUMN] for c in chunks]), np.concatenate([c["length"] for c in chunks]),
+            json.loads(schema.metadata[SOURCES_METADATA]))
 
 
 def source_samples(files: Sequence[str], want: int, world: int, micro: int, seed: int) -> dict[str, np.ndarray]:
@@ -173,6 +175,8 @@ def source_samples(files: Sequence[str], want: int, world: int, micro: int, seed
 
 PERIOD = 1 << 20
 """Positions of one period of the interleave: shares are kept to 1 / PERIOD."""
+CHUNK = 1 << 22
+"""Positions of the order made at a time."""
 
 
 def shares(specs: Sequence[dict], tokens: np.ndarray) -> np.ndarray:
@@ -216,11 +220,13 @@ class Blend:
     """(S,) what each source should be of the tokens read."""
     pattern: np.ndarray
     """(PERIOD,) uint8 source of each position of one period."""
+    _passes: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def of(cls, source: np.ndarray, length: np.ndarray, specs: Sequence[dict], period: int = PERIOD) -> "Blend":
         """From each row's source rank and length, and the sources' specs (sources.json: name, weight, epochs)."""
-        rows = [np.flatnonzero(source == s) for s in range(len(specs))]
+        index = np.uint32 if len(source) < 1 << 32 else np.int64
+        rows = [np.flatnonzero(source == s).astype(index) for s in range(len(specs))]
         empty = [spec["name"] for spec, r in zip(specs, rows) if not len(r)]
         if empty:
             raise ValueError(f"source {empty[0]!r} has no sequences in the split to blend")
@@ -251,27 +257,38 @@ class Blend:
         """The rows of source s's k-th draws: pass k // n in a permutation seeded by (seed, s, pass)."""
         n = len(self.rows[s])
         passes, at = np.divmod(k, n)
-        out = np.empty(len(k), dtype=np.int64)
+        out = np.empty(len(k), dtype=self.rows[s].dtype)
         for p in np.unique(passes):
             mine = passes == p
-            out[mine] = self.rows[s][source_pass_order(n, seed, s, int(p))[at[mine]]]
+            out[mine] = self.rows[s][self._pass(seed, s, int(p))[at[mine]]]
         return out
 
+    def _pass(self, seed: int, s: int, p: int) -> np.ndarray:
+        """Source s's permutation for pass p; the latest one per source is kept, since consecutive chunks of the
+        order mostly read the same pass (4 bytes a row: all sources' together, one epoch permutation's worth)."""
+        kept = self._passes.get(s)
+        if kept is None or kept[0] != (seed, p):
+            kept = self._passes[s] = ((seed, p), source_pass_order(len(self.rows[s]), seed, s, p))
+        return kept[1]
+
     def order(self, start: int, stop: int, seed: int) -> np.ndarray:
-        """(stop - start,) the split rows at positions [start, stop) of the order."""
-        phase = start % len(self.pattern)
-        owner = np.resize(np.roll(self.pattern, -phase), stop - start)  # (n,) source of each position
-        first = self.drawn(start)
-        out = np.empty(stop - start, dtype=np.int64)
-        for s in range(len(self.names)):
-            at = np.flatnonzero(owner == s)
-            out[at] = self.sequence(s, first[s] + np.arange(len(at)), seed)
+        """(stop - start,) the split rows at positions [start, stop) of the order, made CHUNK positions at a time
+        (the temporaries stay a few MB however long the epoch)."""
+        n = sum(len(r) for r in self.rows)
+        out = np.empty(stop - start, dtype=np.uint32 if n < 1 << 32 else np.int64)
+        drawn = self.drawn(start)
+        for lo in range(start, stop, CHUNK):
+            hi = min(lo + CHUNK, stop)
+            owner = np.resize(np.roll(self.pattern, -(lo % len(self.pattern))), hi - lo)  # (hi - lo,) sources
+            for s in range(len(self.names)):
+                at = np.flatnonzero(owner == s)
+                out[lo - start + at] = self.sequence(s, drawn[s] + np.arange(len(at)), seed)
+                drawn[s] += len(at)
         return out
 
     def epoch_order(self, seed: int, epoch: int) -> np.ndarray:
         n = sum(len(r) for r in self.rows)
-        order = self.order(epoch * n, (epoch + 1) * n, seed)
-        return order.astype(np.uint32) if n < 1 << 32 else order
+        return self.order(epoch * n, (epoch + 1) * n, seed)
 
     def delivered(self, steps: int, accumulation: int, world: int, micro: int) -> list[dict]:
         """Per source what `steps` optimizer steps read (each rank `accumulation` micro-batches a step, epochs of

@@ -165,3 +165,13 @@ def test_the_run_report_names_each_source(rows):
     table = data.report_lines(report).splitlines()
     assert table[0].split() == ["source", "sequences", "tokens", "weight", "tokens", "seen", "epochs"]
     assert table[2].split()[0] == "speeches" and table[2].split()[-1] == f"{report[1]['epochs']:.3f}"
+
+
+def test_the_order_is_the_same_made_in_chunks_of_any_size(rows, monkeypatch):
+    """An epoch's order is made CHUNK positions at a time (bounded temporaries); the chunking changes nothing."""
+    source, length = rows
+    specs = [{"name": "news", "weight": 0.3}, {"name": "speeches", "weight": 0.7}]
+    whole = [data.Blend.of(source, length, specs).epoch_order(2, e) for e in (0, 3)]
+    monkeypatch.setattr(data, "CHUNK", 997)
+    chunked = data.Blend.of(source, length, specs)
+    assert all(np.array_equal(chunked.epoch_order(2, e), w) for e, w in zip((0, 3), whole))
