@@ -37,7 +37,7 @@ class CorpusSource:
     """
 
     name: str
-    """What the source is called in the corpus artifact (the `source_name` column), the dry run and the lineage."""
+    """What the source is called in the corpus artifact (the `source_name` column), the lineage and `val_loss.NAME`."""
     path: str
     """A file, directory, glob or pyarrow.fs URI, as `--corpus PATH` takes it."""
     weight: float | None = None

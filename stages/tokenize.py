@@ -437,7 +437,8 @@ def run(cfg: TokenizeConfig, *, inputs: dict[str, Artifact], out: Path, ctx: Sta
     counts = {f"{split}_{k}": splits[split][k] for split in SPLITS for k in ("documents", "sequences", "tokens",
                                                                              "padding")}
     for src in splits["train"].get("sources", ()):  # per named source: in the manifest and the lineage
-        counts[f"train_sequences.{src['name']}"], counts[f"train_tokens.{src['name']}"] = src["sequences"], src["tokens"]
+        counts[f"train_sequences.{src['name']}"] = src["sequences"]
+        counts[f"train_tokens.{src['name']}"] = src["tokens"]
     train = splits["train"]
     return StageResult(
         metrics={"train_padding_share": train["padding"] / max(train["sequences"] * cfg.max_seq_len, 1),

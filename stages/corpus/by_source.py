@@ -1,12 +1,12 @@
 """Named sources in the corpus artifact: each document's source, the documents each one keeps, sources.json.
 
 With named sources (`RawCorpus.blend`, `--corpus NAME=PATH[:weight=W|:epochs=E] ...`) the first byte of a
-document's id is its source's rank in the order listed (`stages.corpus.ingest.doc_digest`). Dedup runs over all sources at once
-and keeps the smallest id of every exact group and near-duplicate component, so across sources the copy kept is
-the one of the first source listed (within a source, the smallest id, as with one source). The split files get a
-`source_name` column read back from that byte; a source left with no documents stops the stage before anything is
-written to train/ or validation/. One unnamed source (`--corpus PATH...`) has none of this: its ids, columns and
-artifact ids are what they were before sources had names.
+document's id is its source's rank in the order listed (`stages.corpus.ingest.doc_digest`). Dedup runs over all
+sources at once and keeps the smallest id of every exact group and near-duplicate component, so across sources the
+copy kept is the one of the source listed first (within a source, the smallest id, as with one source). The split
+files get a `source_name` column read back from that byte; a source left with no documents stops the stage before
+anything is written to train/ or validation/. One unnamed source (`--corpus PATH...`) has none of this: its ids,
+columns and artifact ids are what they were before sources had names.
 """
 
 from __future__ import annotations

@@ -47,8 +47,8 @@ def test_an_existing_path_with_an_equals_sign_stays_a_path(tmp_path, monkeypatch
     (["a=X", "Y"], "--corpus Y: name every source or none"),
     (["a=X:wieght=1"], "corpus source 'a': unknown option :wieght=;"),
     (["a=X:weight=half"], "corpus source 'a': :weight=half is not a number"),
-], ids=["weight-0", "weight-negative", "epochs-0", "weight-tiny", "weight-and-epochs", "one-name-twice", "weights-on-some",
-        "mixed", "typo", "nan"])
+], ids=["weight-0", "weight-negative", "epochs-0", "weight-tiny", "weight-and-epochs", "one-name-twice",
+        "weights-on-some", "mixed", "typo", "nan"])
 def test_bad_sources_are_one_error_line_before_ray(corpus, fragment, tmp_path, capsys):
     """Refused while the config is resolved: before the corpus is listed (X does not exist) and before Ray."""
     assert main(["--corpus", *corpus, "--workdir", str(tmp_path / "wd"), "--dry-run"]) == 2
