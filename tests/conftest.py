@@ -120,16 +120,19 @@ class MlflowServer:
     """A real `mlflow server` with a sqlite backend on 127.0.0.1 that a test can stop and start again (same port,
     same store), as an operator restarting it would."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, artifacts: str | None = None, env: dict[str, str] | None = None):
+        """`artifacts`: where the server keeps the artifacts it proxies (default: a directory under `root`; an
+        `s3://` URI with the object store's `env`)."""
         self.root, self.port = root, free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
+        self.artifacts, self.env = artifacts or str(root / "artifacts"), env or {}
 
     def start(self, timeout: float = 120) -> None:
-        env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+        env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false", **self.env)
         cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
                "--workers", "1", "--backend-store-uri", f"sqlite:///{self.root}/mlflow.db",
-               "--artifacts-destination", str(self.root / "artifacts")]
+               "--artifacts-destination", self.artifacts]
         log = open(self.root / "server.log", "a")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.time() + timeout

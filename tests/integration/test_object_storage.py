@@ -176,3 +176,40 @@ def test_a_bucket_that_cannot_be_read_is_one_line_before_any_stage(s3_server, wr
     assert res.returncode == 2 and len(lines) == 1, res.stdout[-2000:] + res.stderr[-2000:]
     assert lines[0].startswith(f"error: corpus {uri}: {fragment}"), lines
     assert not (tmp_path / "wd").exists()
+
+
+def test_registered_models_live_in_the_bucket(s3_server, tiny_pretrained, tmp_path, monkeypatch):  # noqa: F811
+    """An MLflow server whose artifact store is the bucket (`--artifacts-destination s3://...`, the server holding
+    the credentials; clients upload through it): a pretrained model registered as the pretrain stage registers it
+    is stored there, and `finetune.init=models:/NAME/VERSION` reads it back whole."""
+    import pyarrow.fs as pafs
+
+    from core.lineage import Lineage, download_registered_model
+    from deberta import checkpoint, hf
+    from deberta.model import DebertaForMaskedLM
+    from tests.conftest import MlflowServer
+
+    pretrain, vocab = tiny_pretrained
+    mlm = DebertaForMaskedLM(checkpoint.load_config(pretrain.path / "model"))
+    checkpoint.load_into(mlm, pretrain.path / "model")
+    hf_dir = hf.save_pretrained(mlm, tmp_path / "hf", vocab_dir=vocab.path)
+    server = MlflowServer(tmp_path / "mlflow", artifacts=f"s3://{s3_server.bucket}/mlflow", env=s3_server.env)
+    (tmp_path / "mlflow").mkdir()
+    server.start()
+    try:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+        lineage = Lineage(tmp_path / "wd")
+        lineage.start("pipeline-s3", {"preset": "debug"}, ["pretrain"])
+        tracker = lineage.stage_run("pretrain", "p1", {}, {}, cached=False)
+        uri = tracker.log_hf_model(hf_dir, task="fill-mask", name="pretrained",
+                                   input_example={"text": ["a [MASK] review"]})
+        version = tracker.register_model("deberta-s3-pretrained", model_uri=uri)
+        fs = s3_server.filesystem()
+        stored = {i.base_name: i.size for i in fs.get_file_info(pafs.FileSelector(f"{s3_server.bucket}/mlflow",
+                                                                                   recursive=True))}
+        weights = (Path(hf_dir) / "model.safetensors").read_bytes()
+        assert stored.get("model.safetensors") == len(weights), sorted(stored)
+        export = download_registered_model(f"models:/deberta-s3-pretrained/{version}", tmp_path / "reader")
+        assert (Path(export.path) / "model.safetensors").read_bytes() == weights
+    finally:
+        server.stop()
