@@ -28,7 +28,8 @@ class StageSpec:
     """Upstream stages whose artifacts the stage reads, or external inputs ("raw", "task")."""
     help: str
     dry_run: Callable[..., str] | None = None
-    """Optional `dry_run(*sections) -> str` for `--dry-run`: the plan on paper."""
+    """Optional `dry_run(*sections, inputs) -> str` for `--dry-run`: the plan on paper. `inputs`: the stage's input
+    artifacts that are finished, not fetched (their files are there only if this machine has them)."""
     check: Callable[..., None] | None = None
     """Optional `check(first_section, *, other_sections...)`: the stage's rules across its sections, beside
     `validate` (stages/base.py)."""

@@ -337,7 +337,9 @@ def _main(args: argparse.Namespace) -> int:
     if args.dry_run:
         for st in plan:
             if st.spec.dry_run is not None:
-                print(st.spec.dry_run(*[getattr(cfg, s) for s in st.spec.sections]))
+                inputs = {name: store.find(name, art_id, fetching=False) for name, art_id in st.input_ids.items()}
+                print(st.spec.dry_run(*[getattr(cfg, s) for s in st.spec.sections],
+                                      inputs={k: v for k, v in inputs.items() if v is not None}))
         return 0
     with claim(plan, store, workdir, take_foreign=args.break_lock):
         try:

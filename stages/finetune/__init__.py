@@ -39,7 +39,7 @@ VERSION = "2"
 """Bumped when the stage's code changes what it writes (part of the artifact id)."""
 
 
-def dry_run(cfg: FinetuneConfig, model: DebertaConfig) -> str:
+def dry_run(cfg: FinetuneConfig, model: DebertaConfig, inputs: dict | None = None) -> str:
     """One line for `--dry-run`: the size of the sweep."""
     grid = " x ".join(f"{k}{list(getattr(cfg, k))}" for k in (*GRID_KEYS, "seeds"))
     trainer = ("one torch process" if cfg.trainer == "torch" else

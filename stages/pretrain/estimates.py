@@ -7,9 +7,11 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from core.config import PretrainConfig
+from stages.pretrain import data
 from stages.pretrain.objective import Objective
 from stages.pretrain.objectives import check_config, objective_for
 from training.deepspeed_config import build_deepspeed_config
@@ -55,8 +57,10 @@ def zero_estimates(total: int, largest: int, nodes: int, gpus_per_node: int) -> 
     return zero2, zero3, tables.getvalue()
 
 
-def dry_run(cfg: PretrainConfig, model: DebertaConfig) -> str:
-    """The plan on paper: parameters, ZeRO-2/3 memory per GPU (DeepSpeed's estimators), tokens, time."""
+def dry_run(cfg: PretrainConfig, model: DebertaConfig, inputs: dict | None = None) -> str:
+    """The plan on paper: parameters, ZeRO-2/3 memory per GPU (DeepSpeed's estimators), tokens, time; with named
+    corpus sources and the token shards already on this machine (`inputs`: the finished input artifacts), what the
+    run reads of each source (`stages.pretrain.data.Blend.delivered`)."""
     from deberta.flops import PEAK_FLOPS
 
     check_config(cfg, model)
@@ -89,4 +93,10 @@ def dry_run(cfg: PretrainConfig, model: DebertaConfig) -> str:
         "  DeepSpeed's estimator tables (model states only: bf16 params/grads + fp32 master and Adam; no activations):",
         *("    " + line for line in tables.strip().splitlines()),
     ]
+    tokens_art = (inputs or {}).get("tokenize")
+    shards = sorted(str(f) for f in (Path(tokens_art.path) / "train").glob("*.arrow")) if tokens_art else []
+    blend = data.Blend.of_files(shards) if shards else None
+    if blend is not None:
+        lines += [f"  per corpus source, over {cfg.max_steps:,} steps:",
+                  data.report_lines(blend.delivered(cfg.max_steps, accum, cfg.num_workers, cfg.micro_batch_size))]
     return "\n".join(lines)

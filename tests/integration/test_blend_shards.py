@@ -125,3 +125,13 @@ def test_the_loop_validates_each_source_and_records_what_the_run_reads(tokens, t
     params = mlflow.MlflowClient(tracker.tracking_uri).get_run(tracker.run_id).data.params
     report = data.Blend.of_files(files["train"]).delivered(300, 1, WORLD, MICRO)
     assert params["source.speeches.epochs"] == str(report[1]["epochs"]) and params["source.news.weight"] == "0.5"
+    # --dry-run, once the token shards exist, prints the same per-source numbers (the dry run's own table)
+    from deberta.config import debug as debug_model
+    from stages.pretrain.estimates import dry_run
+
+    plan = dry_run(cfg, debug_model(vocab_size=1024), inputs={"tokenize": art})
+    for r in report:
+        row = next(line.split() for line in plan.splitlines() if line.split()[:1] == [r["name"]])
+        assert row[1:] == [f"{r['sequences']:,}", f"{r['tokens']:,}", f"{r['weight']:.3f}", f"{r['tokens_seen']:,}",
+                           f"{r['epochs']:.3f}"], (row, r)
+    assert "per corpus source" not in dry_run(cfg, debug_model(vocab_size=1024), inputs={})

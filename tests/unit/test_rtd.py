@@ -372,7 +372,7 @@ def test_generator_deeper_than_the_discriminator_is_refused_before_any_stage():
     with pytest.raises(ConfigError, match="generator_layers=4 is deeper than the discriminator"):
         check_config(cfg.pretrain, cfg.model)
     args = argparse.Namespace(preset="debug", overrides=["pretrain.objective=rtd", "pretrain.generator_layers=4"],
-                              task=None, pretrained=None)
+                              task=None, pretrained=None, corpus=None)
     with pytest.raises(UserError, match="generator_layers=4 is deeper than the discriminator"):
         resolve_config(args)
     check_config(dataclasses.replace(cfg.pretrain, objective="mlm"), cfg.model)  # MLM has no generator
