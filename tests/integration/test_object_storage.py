@@ -124,6 +124,8 @@ def test_a_corpus_and_a_workdir_in_a_bucket(s3_server, corpus_files, tmp_path): 
 
 def test_an_artifact_in_a_bucket_is_visible_whole_and_read_verified(s3_server, news_subset, tmp_path,  # noqa: F811
                                                                     monkeypatch):
+    import pyarrow.fs as pafs
+
     for key, value in s3_server.env.items():
         monkeypatch.setenv(key, value)
     fs, workdir = s3_server.filesystem(), f"s3://{s3_server.bucket}/store"
@@ -162,19 +164,33 @@ def test_an_artifact_in_a_bucket_is_visible_whole_and_read_verified(s3_server, n
         fresh.find("corpus", "a1")
     assert not list((tmp_path / "fresh" / "artifacts" / "corpus").iterdir())  # no partial copy left
 
+    # a second build of the damaged artifact keeps it; --force (replace) puts the new one in its place whole
+    with writer.building("corpus", "a1", {"stage": "corpus"}) as out:
+        (out / "other.txt").write_text("not kept")
+    assert not fs.get_file_info(f"{root}/other.txt").is_file
+    with ArtifactStore(workdir, tmp_path / "forcer").building("corpus", "a1", {"stage": "corpus"}, replace=True) as out:
+        (out / "report.json").write_text('{"forced": true}')
+    names = {i.path[len(root) + 1:] for i in fs.get_file_info(pafs.FileSelector(root, recursive=True)) if i.is_file}
+    assert names == {"report.json", MANIFEST, SUCCESS}, names  # the old objects gone, the marker last in
+    forced = ArtifactStore(workdir, tmp_path / "after-force").find("corpus", "a1")
+    assert (forced.path / "report.json").read_text() == '{"forced": true}'
+
 
 @pytest.mark.parametrize("wrong, fragment", [
     ({"AWS_SECRET_ACCESS_KEY": "not-the-secret"}, "the credentials were refused: check AWS_ACCESS_KEY_ID"),
     ({}, "the bucket does not exist: check its name, or create it"),
     ({"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}, "the endpoint cannot be reached: check AWS_ENDPOINT_URL"),
 ], ids=["wrong-key", "missing-bucket", "unreachable-endpoint"])
-def test_a_bucket_that_cannot_be_read_is_one_line_before_any_stage(s3_server, wrong, fragment, tmp_path):  # noqa: F811
-    bucket = "no-such-bucket" if not wrong else s3_server.bucket
-    uri = f"s3://{bucket}/news/"
-    res = pipeline_main(["--corpus", uri, "--workdir", str(tmp_path / "wd")], {**s3_server.env, **wrong})
+@pytest.mark.parametrize("what", ["corpus", "workdir"])
+def test_a_bucket_that_cannot_be_used_is_one_line_before_any_stage(s3_server, what, wrong, fragment,  # noqa: F811
+                                                                    tmp_path):
+    uri = f"s3://{'no-such-bucket' if not wrong else s3_server.bucket}/{what}/"
+    args = (["--corpus", uri, "--workdir", str(tmp_path / "wd")] if what == "corpus"
+            else ["--workdir", uri, "--local-dir", str(tmp_path / "wd")])
+    res = pipeline_main(args, {**s3_server.env, **wrong})
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 2 and len(lines) == 1, res.stdout[-2000:] + res.stderr[-2000:]
-    assert lines[0].startswith(f"error: corpus {uri}: {fragment}"), lines
+    assert lines[0].startswith(f"error: {what} {uri}: {fragment}"), lines
     assert not (tmp_path / "wd").exists()
 
 
