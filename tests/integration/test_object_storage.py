@@ -121,6 +121,30 @@ def test_a_corpus_and_a_workdir_in_a_bucket(s3_server, corpus_files, tmp_path): 
     assert "--force tokenize" in lines[0] and "running ->" not in res.stdout
     assert not (tmp_path / "l3").exists()  # a refused run leaves nothing of its own
 
+    # runs sharing a workdir in a bucket lock through their --local-dir: a live run holding tokenize's lock there
+    # refuses a second one; once it is gone, --force rebuilds the damaged artifact from the bucket's corpus and
+    # vocab (fetched to this directory and verified), and the bucket holds the same files as before the damage
+    force = [*in_bucket, "--local-dir", str(tmp_path / "l4"), "--until", "tokenize", "--force", "tokenize"]
+    lock = tmp_path / "l4" / "locks" / f"tokenize-{ran['tokenize'][0]}.lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from core import locks; "
+                               "locks.acquire(sys.argv[1]); print('held', flush=True); time.sleep(300)", str(lock)],
+                              cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        res = _run(force, s3_server.env)
+        assert res.returncode == 2 and "is being built by another run" in res.stderr, res.stderr[-2000:]
+    finally:
+        holder.kill()
+        holder.wait()
+    res = _run(force, s3_server.env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert _summary(res.stdout) == {**{k: (v[0], "cached") for k, v in ran.items()}, "tokenize": ran["tokenize"]}
+    assert (tmp_path / "l4" / "artifacts" / "vocab" / ran["vocab"][0] / SUCCESS).is_file()  # fetched to read it
+    remote = json.loads(fs.open_input_stream(f"{bucket}/wd/artifacts/tokenize/{ran['tokenize'][0]}/{MANIFEST}").read())
+    assert _files(remote) == _files(json.loads((local / "artifacts" / "tokenize" / ran["tokenize"][0] / MANIFEST)
+                                               .read_text()))
+    assert fs.get_file_info(shard).size == len(data)
+
 
 def test_an_artifact_in_a_bucket_is_visible_whole_and_read_verified(s3_server, news_subset, tmp_path,  # noqa: F811
                                                                     monkeypatch):
