@@ -19,8 +19,9 @@ def _packed():
     return ids, docs
 
 
-def test_each_document_in_a_packed_row_equals_the_document_alone():
-    model = DebertaModel(CFG).eval()
+@pytest.mark.parametrize("attn_impl", ["sdpa", "math"])  # the CPU backends ("fused": tests/gpu/test_fused.py refuses it)
+def test_each_document_in_a_packed_row_equals_the_document_alone(attn_impl):
+    model = DebertaModel(CFG.replace(attn_impl=attn_impl)).eval()
     ids, docs = _packed()
     with torch.no_grad():
         packed = model(ids, document_ids=docs)["last_hidden_state"][0]
