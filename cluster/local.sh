@@ -12,6 +12,9 @@
 #   LOCAL_CLUSTER_GCS_PORT   head GCS port                 (default 6379)
 #   LOCAL_CLUSTER_DASHBOARD_PORT  dashboard + job server  (default 8265)
 #   LOCAL_CLUSTER_CLIENT_PORT     Ray client server        (default 10001)
+#   LOCAL_CLUSTER_AGENT_PORT      head's dashboard agent, which runs submitted jobs; the worker's is the
+#                            next port (default 52465: not Ray's 52365, which any `ray.init()` on this
+#                            machine takes, leaving the head without a job agent)
 #   LOCAL_CLUSTER_CPUS       logical CPUs per node         (default 2: one training worker or trial per
 #                            node plus one for Ray Data; fewer starves the pipeline's data stages)
 #   LOCAL_CLUSTER_OBJECT_STORE_MB  object store per node   (default 1024)
@@ -27,6 +30,7 @@ STATE=${LOCAL_CLUSTER_DIR:-$PWD/workdir/local_cluster}
 GCS_PORT=${LOCAL_CLUSTER_GCS_PORT:-6379}
 DASH_PORT=${LOCAL_CLUSTER_DASHBOARD_PORT:-8265}
 CLIENT_PORT=${LOCAL_CLUSTER_CLIENT_PORT:-10001}
+AGENT_PORT=${LOCAL_CLUSTER_AGENT_PORT:-52465}
 CPUS=${LOCAL_CLUSTER_CPUS:-2}
 OBJ_MB=${LOCAL_CLUSTER_OBJECT_STORE_MB:-1024}
 RAY=${RAY:-$REPO/.venv/bin/ray}
@@ -60,6 +64,19 @@ export RAY_ADDRESS=http://$IP:$DASH_PORT
 export RAY_AUTH_MODE=token
 export RAY_AUTH_TOKEN_PATH=$TOKEN
 EOF
+}
+
+# A port something already listens on would leave a node half up (Ray logs the bind failure and carries on).
+check_ports() {
+    local spec port var
+    for spec in "$GCS_PORT:LOCAL_CLUSTER_GCS_PORT" "$DASH_PORT:LOCAL_CLUSTER_DASHBOARD_PORT" \
+                "$CLIENT_PORT:LOCAL_CLUSTER_CLIENT_PORT" "$AGENT_PORT:LOCAL_CLUSTER_AGENT_PORT" \
+                "$((AGENT_PORT + 1)):LOCAL_CLUSTER_AGENT_PORT (+1, the worker's agent)"; do
+        port=${spec%%:*} var=${spec#*:}
+        if (exec 3<>"/dev/tcp/$IP/$port") 2>/dev/null; then
+            die "port $port on $IP is in use (another Ray or service); stop it or set $var to a free port"
+        fi
+    done
 }
 
 alive() { [ -n "${1:-}" ] && kill -0 "$1" 2>/dev/null; }
@@ -137,16 +154,17 @@ up() {
         print_env
         return 0
     fi
+    check_ports
     rm -f "$STATE"/*.pid
     [ -s "$TOKEN" ] || (umask 077 && "$(dirname "$RAY")/python" -c \
         'import secrets; print(secrets.token_hex(32), end="")' >"$TOKEN")
     start_node head "$TMP" --head --port "$GCS_PORT" --ray-client-server-port "$CLIENT_PORT" \
         --include-dashboard true --dashboard-host "$IP" --dashboard-port "$DASH_PORT" \
-        --dashboard-agent-listen-port 52365 --min-worker-port 10100 --max-worker-port 10599 \
+        --dashboard-agent-listen-port "$AGENT_PORT" --min-worker-port 10100 --max-worker-port 10599 \
         --resources '{"node_head": 1}'
     wait_nodes 1 || { down >/dev/null 2>&1 || true; return 1; }
     start_node worker "$TMP_WORKER" --address "$IP:$GCS_PORT" \
-        --dashboard-agent-listen-port 52366 --min-worker-port 10600 --max-worker-port 11099 \
+        --dashboard-agent-listen-port "$((AGENT_PORT + 1))" --min-worker-port 10600 --max-worker-port 11099 \
         --resources '{"node_worker": 1}'
     wait_nodes 2 || { down >/dev/null 2>&1 || true; return 1; }
     echo "local Ray cluster up: 2 nodes (node_head, node_worker), $CPUS CPU and ${OBJ_MB} MiB object store each; state in $STATE" >&2

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from core.config import PretrainConfig
-from stages.pretrain import data
+from stages.pretrain.data import Blend, report_lines
 from stages.pretrain.objective import Objective
 from stages.pretrain.objectives import check_config, objective_for
 from training.deepspeed_config import build_deepspeed_config
@@ -95,8 +95,8 @@ def dry_run(cfg: PretrainConfig, model: DebertaConfig, inputs: dict | None = Non
     ]
     tokens_art = (inputs or {}).get("tokenize")
     shards = sorted(str(f) for f in (Path(tokens_art.path) / "train").glob("*.arrow")) if tokens_art else []
-    blend = data.Blend.of_files(shards) if shards else None
+    blend = Blend.of_files(shards) if shards else None
     if blend is not None:
         lines += [f"  per corpus source, over {cfg.max_steps:,} steps:",
-                  data.report_lines(blend.delivered(cfg.max_steps, accum, cfg.num_workers, cfg.micro_batch_size))]
+                  report_lines(blend.delivered(cfg.max_steps, accum, cfg.num_workers, cfg.micro_batch_size))]
     return "\n".join(lines)

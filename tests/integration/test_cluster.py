@@ -11,6 +11,7 @@ import json
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -130,6 +131,31 @@ class LocalCluster:
 
 def exports(text: str) -> dict[str, str]:
     return dict(line[len("export "):].split("=", 1) for line in text.splitlines() if line.startswith("export "))
+
+
+def test_up_refuses_a_port_in_use_before_starting_anything(tmp_path):
+    """A `ray.init()` elsewhere on the machine holds Ray's default agent port: a head started beside it came up
+    without a job agent, and every `ray job submit` failed with "No available agent"."""
+    from tests.conftest import free_port
+
+    state = Path(tempfile.mkdtemp(prefix="lc", dir="/tmp"))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        env = dict(os.environ, LOCAL_CLUSTER_DIR=str(state), LOCAL_CLUSTER_AGENT_PORT=str(taken),
+                   LOCAL_CLUSTER_GCS_PORT=str(free_port()), LOCAL_CLUSTER_DASHBOARD_PORT=str(free_port()),
+                   LOCAL_CLUSTER_CLIENT_PORT=str(free_port()), PATH=f"{BIN}:{os.environ['PATH']}")
+        up = subprocess.run([str(LOCAL_SH), "up"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    try:
+        assert up.returncode == 2, up.stdout + up.stderr
+        assert up.stderr.splitlines() == [f"error: port {taken} on 127.0.0.1 is in use (another Ray or service); "
+                                          "stop it or set LOCAL_CLUSTER_AGENT_PORT to a free port"]
+        assert up.stdout == "" and not list(state.glob("*.pid")) and not (state / "ray").exists()
+    finally:
+        if up.returncode == 0:  # the check is gone: stop what it started
+            subprocess.run([str(LOCAL_SH), "down"], cwd=REPO, env=env, capture_output=True, timeout=120)
+        shutil.rmtree(state, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -123,12 +123,12 @@ def ray_cluster_2_nodes():
                PYTHONPATH=str(REPO), RAY_ADDRESS=address, RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
     procs = [_ray_start(state, "node_head", env, "--head", "--port", "6380", "--include-dashboard", "true",
                         "--dashboard-host", "127.0.0.1", "--dashboard-port", "8266",
-                        "--dashboard-agent-listen-port", "52365", "--min-worker-port", "10100",
+                        "--dashboard-agent-listen-port", "52475", "--min-worker-port", "10100",
                         "--max-worker-port", "10599")]
     try:
         _wait_nodes(env, address, 1, procs, state)
         procs.append(_ray_start(state, "node_worker", env, "--address", address, "--dashboard-agent-listen-port",
-                                "52366", "--min-worker-port", "10600", "--max-worker-port", "11099"))
+                                "52476", "--min-worker-port", "10600", "--max-worker-port", "11099"))
         _wait_nodes(env, address, 2, procs, state)
         cluster = Cluster(address, env, tuple(p.pid for p in procs), _node_ids(env, address))
         yield cluster
