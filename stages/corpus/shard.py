@@ -2,9 +2,10 @@
 
 train/ and validation/ are written by Ray Data (`write_parquet`) from the documents that survive dedup, so
 document text never passes through the driver: a task per staged block writes that block's survivors as files
-of at most `corpus.rows_per_shard` rows, one row group each (a split's last file of a block is shorter; with
-`min_rows_per_file` Ray Data bundled every block into one task, a one-core write whose memory grew with the
-corpus, and batches smaller than a block became row groups of a few hundred rows, each a tokenize work unit).
+of at most `corpus.rows_per_shard` rows, one row group each, then named after their first doc_id (a split's
+last file of a block is shorter; with `min_rows_per_file` Ray Data bundled every block into one task, a one-core
+write whose memory grew with the corpus, and batches smaller than a block became row groups of a few hundred
+rows, each a tokenize work unit).
 rejected.parquet is streamed from the tasks to one file on the driver a batch at a time;
 duplicates.parquet and near_pairs.parquet are duplicate-shaped and written from the driver.
 
@@ -111,9 +112,27 @@ def write_split(ds, split_dir: Path, rows_per_shard: int, schema: pa.Schema = OU
     """Write one split's shards; a split with no documents still gets one empty shard (readers see the schema)."""
     ds.write_parquet(str(split_dir), max_rows_per_file=rows_per_shard)
     split_dir.mkdir(parents=True, exist_ok=True)
+    name_by_content(split_dir)
     if not any(split_dir.glob("*.parquet")):
         pq.write_table(schema.empty_table(), split_dir / "empty.parquet")
     return parquet_rows(split_dir)
+
+
+def name_by_content(split_dir: Path) -> None:
+    """Rename each shard after its first doc_id. Ray Data names what it writes after the write (a uuid) and the
+    task's place in it, so the same documents had other names in every run, and the artifact other digests; named
+    by content, the same input gives the same files whichever run, machine or workdir (a bucket's) built it, and
+    readers that take the shards in name order (vocab) read them in the same order."""
+    for f in list(split_dir.glob("*.parquet")):
+        meta = pq.ParquetFile(f)
+        if not meta.metadata.num_rows:
+            f.unlink()  # nothing in it; an empty split gets its one empty shard below
+            continue
+        first = meta.read_row_group(0, columns=["doc_id"]).column(0)[0].as_py()
+        target = split_dir / f"{first}.parquet"
+        if target.exists():  # doc_ids are unique: two shards starting with one document is a bug, not data
+            raise RuntimeError(f"two corpus shards in {split_dir} start with document {first}")
+        f.rename(target)
 
 
 def write_rejected(ds, path: Path) -> tuple[int, int]:
