@@ -456,7 +456,9 @@ def test_zero3_survives_worker_loss_and_stage_restart(ray_cluster_2_nodes, s3_se
     writing it), and run again: it sets the snapshot aside, skips that checkpoint, says so, and resumes from the
     one before (not step 0). Every re-run step repeats its first loss: model, optimizer, scheduler and data
     position were all restored."""
-    cfg = replace(BASE, zero_stage=3, max_steps=30, ckpt_interval=6, eval_interval=15, max_failures=1)
+    # 60 steps: a step takes ~0.2 s here, and Ray Train registers a checkpoint in the bucket a few seconds after the
+    # workers report it; at 30 a run under load could finish before the test saw the checkpoint it waits for
+    cfg = replace(BASE, zero_stage=3, max_steps=60, ckpt_interval=6, eval_interval=30, max_failures=1)
     job = pretrain_job(cfg, "z3", workdir, tokens, model_cfg, lineage)
     job["storage"] = f"s3://{s3_server.bucket}/ray"
     storage = RayStorage(s3_server.filesystem(), f"{s3_server.bucket}/ray")
