@@ -35,6 +35,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from core.errors import StageInputError
+from core.storage import store_fix
 from stages.corpus.minhash import MinHasher, band_keys, normalize
 
 if TYPE_CHECKING:
@@ -118,29 +119,11 @@ def _glob_regex(pattern: str) -> re.Pattern:
     return re.compile("".join(out) + r"\Z")
 
 
-_STORE_FIXES = (
-    (("ACCESS_DENIED", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Forbidden", "403"),
-     "the credentials were refused: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"),
-    (("NO_SUCH_BUCKET", "NoSuchBucket"), "the bucket does not exist: check its name, or create it"),
-    (("connect", "NETWORK_CONNECTION", "curlCode", "resolve host", "timed out"),
-     "the endpoint cannot be reached: check AWS_ENDPOINT_URL (or the region) and the network"),
-)
-"""Object-store failures a user can cause, by the words of pyarrow's error, and the fix to print."""
-
-
-def _store_error(pattern: str, error: Exception) -> StageInputError:
-    """One line naming the URI, what the store said and the fix, for a listing that failed."""
-    text = str(error)
-    fix = next((f for words, f in _STORE_FIXES if any(w.lower() in text.lower() for w in words)),
-               "check the URI, the credentials and the endpoint (AWS_* environment variables)")
-    return StageInputError(f"corpus {pattern}: {fix} ({text.splitlines()[0][:200]})")
-
-
 def _list_uri(pattern: str) -> list[tuple[str, int, int]]:
     try:
         return _list_store(pattern)
     except (OSError, pa.ArrowException) as e:
-        raise _store_error(pattern, e) from None
+        raise StageInputError(f"corpus {pattern}: {store_fix(e)}") from None  # names the URI and the fix
 
 
 def _list_store(pattern: str) -> list[tuple[str, int, int]]:
