@@ -18,6 +18,9 @@
 #   LOCAL_CLUSTER_CPUS       logical CPUs per node         (default 2: one training worker or trial per
 #                            node plus one for Ray Data; fewer starves the pipeline's data stages)
 #   LOCAL_CLUSTER_OBJECT_STORE_MB  object store per node   (default 1024)
+#   LOCAL_CLUSTER_WORKER_PRIVATE  a directory the worker node does not see, as a second machine would not: the
+#                            worker starts in its own mount namespace with an empty tmpfs over it (needs root;
+#                            default unset: both nodes see every directory)
 #   RAY                      the `ray` binary              (default <repo>/.venv/bin/ray)
 #
 # `down` never uses `ray stop` (it would stop every Ray of this user on a shared machine): it
@@ -34,6 +37,7 @@ AGENT_PORT=${LOCAL_CLUSTER_AGENT_PORT:-52465}
 CPUS=${LOCAL_CLUSTER_CPUS:-2}
 OBJ_MB=${LOCAL_CLUSTER_OBJECT_STORE_MB:-1024}
 RAY=${RAY:-$REPO/.venv/bin/ray}
+PRIVATE=${LOCAL_CLUSTER_WORKER_PRIVATE:+$(realpath -m "$LOCAL_CLUSTER_WORKER_PRIVATE")}
 IP=127.0.0.1
 
 die() { echo "error: $*" >&2; exit 2; }
@@ -50,6 +54,12 @@ TOKEN=$STATE/auth_token
 
 # Unix socket paths (<temp>/session_<date>_<pid>/sockets/plasma_store.N) must stay under 107 bytes.
 [ ${#TMP} -le 48 ] || die "state dir $STATE is too long for Ray's socket paths; set LOCAL_CLUSTER_DIR to a shorter path (e.g. /tmp/lc)"
+if [ -n "$PRIVATE" ]; then
+    [ "$(id -u)" = 0 ] || die "LOCAL_CLUSTER_WORKER_PRIVATE needs root (a mount namespace and a tmpfs); unset it"
+    for d in "$STATE" "$REPO" "$(dirname "$RAY")"; do  # the worker runs from these
+        case "$d/" in "${PRIVATE%/}/"*) die "LOCAL_CLUSTER_WORKER_PRIVATE=$PRIVATE would hide $d from the worker node; name a directory outside it" ;; esac
+    done
+fi
 
 # Daemons and clients share these; the job entrypoint `python` must be the venv's.
 export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$TOKEN RAY_USAGE_STATS_ENABLED=0
@@ -120,10 +130,16 @@ wait_gone() {  # wait_gone SECONDS: until no session or stray process remains
 }
 
 start_node() {  # start_node NAME TEMP_DIR ARGS...: `ray start --block` in its own session, pid recorded
-    local name=$1 temp=$2; shift 2
+    local name=$1 temp=$2 hide=(); shift 2
+    if [ "$name" = worker ] && [ -n "$PRIVATE" ]; then
+        # exec all the way down (setsid, unshare, sh, ray): the recorded pid stays the session's; the raylet and its
+        # workers inherit the namespace, and the tmpfs goes with its last process
+        hide=(unshare --mount --propagation private sh -c 'mkdir -p "$0" && mount -t tmpfs tmpfs "$0" && exec "$@"'
+              "$PRIVATE")
+    fi
     # RAY_ADDRESS: Ray processes that look the cluster up (Train's placement-group cleaner, state API)
     # would otherwise scan for GCS processes and find other people's clusters on a shared machine.
-    RAY_ADDRESS=$IP:$GCS_PORT setsid "$RAY" start --block --disable-usage-stats --node-ip-address "$IP" --temp-dir "$temp" \
+    RAY_ADDRESS=$IP:$GCS_PORT setsid "${hide[@]}" "$RAY" start --block --disable-usage-stats --node-ip-address "$IP" --temp-dir "$temp" \
         --num-cpus "$CPUS" --num-gpus 0 --object-store-memory $((OBJ_MB * 1024 * 1024)) "$@" \
         >"$STATE/$name.log" 2>&1 </dev/null &
     echo $! >"$STATE/$name.pid"
@@ -168,6 +184,7 @@ up() {
         --resources '{"node_worker": 1}'
     wait_nodes 2 || { down >/dev/null 2>&1 || true; return 1; }
     echo "local Ray cluster up: 2 nodes (node_head, node_worker), $CPUS CPU and ${OBJ_MB} MiB object store each; state in $STATE" >&2
+    [ -z "$PRIVATE" ] || echo "the worker node sees an empty $PRIVATE (LOCAL_CLUSTER_WORKER_PRIVATE)" >&2
     print_env
 }
 

@@ -106,6 +106,8 @@ class LocalCluster:
     """Environment of a client: this venv first on PATH, RAY_ADDRESS and the token settings `up` printed."""
     sessions: tuple[int, ...]
     """Process sessions of the head and the worker `ray start --block` (pids recorded by local.sh)."""
+    worker_private: Path
+    """A directory the worker node does not see (LOCAL_CLUSTER_WORKER_PRIVATE), as a second machine would not."""
 
     def sh(self, args: list[str] | str, timeout: float = 300, **env) -> subprocess.CompletedProcess:
         cmd = ["bash", "-c", args] if isinstance(args, str) else [str(LOCAL_SH), *args]
@@ -161,20 +163,23 @@ def test_up_refuses_a_port_in_use_before_starting_anything(tmp_path):
 @pytest.fixture(scope="module")
 def ray_cluster_2_nodes(s3_server):  # noqa: F811
     """`cluster/local.sh up` in a short state dir (Ray's socket paths must stay under 108 bytes). Its nodes hold the
-    object store's credentials in their environment, as cloud nodes hold an instance profile's."""
+    object store's credentials in their environment, as cloud nodes hold an instance profile's. The worker node sees
+    an empty `worker_private`; nothing else the tests use is under it."""
     state = Path(tempfile.mkdtemp(prefix="lc", dir="/tmp"))
-    env = dict(os.environ, **s3_server.env, LOCAL_CLUSTER_DIR=str(state), PATH=f"{BIN}:{os.environ['PATH']}")
-    up = subprocess.run([str(LOCAL_SH), "up"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert up.returncode == 0, up.stdout + up.stderr
-    client = exports(up.stdout)
-    assert client["RAY_ADDRESS"] == "http://127.0.0.1:8265" and Path(client["RAY_AUTH_TOKEN_PATH"]).is_file()
-    sessions = tuple(int((state / f"{n}.pid").read_text()) for n in ("head", "worker"))
-    cluster = LocalCluster(state, dict(env, **client), sessions)
+    private = Path(tempfile.mkdtemp(prefix="lc-private", dir="/tmp"))
+    env = dict(os.environ, **s3_server.env, LOCAL_CLUSTER_DIR=str(state), LOCAL_CLUSTER_WORKER_PRIVATE=str(private),
+               PATH=f"{BIN}:{os.environ['PATH']}")
     try:
-        yield cluster
-    finally:
-        cluster.sh(["down"], timeout=120)  # no-op when test_down_leaves_no_process already ran
+        up = subprocess.run([str(LOCAL_SH), "up"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert up.returncode == 0, up.stdout + up.stderr
+        client = exports(up.stdout)
+        assert client["RAY_ADDRESS"] == "http://127.0.0.1:8265" and Path(client["RAY_AUTH_TOKEN_PATH"]).is_file()
+        sessions = tuple(int((state / f"{n}.pid").read_text()) for n in ("head", "worker"))
+        yield LocalCluster(state, dict(env, **client), sessions, private)
+    finally:  # `down` is a no-op when test_down_leaves_no_process already ran, or `up` failed and stopped its nodes
+        subprocess.run([str(LOCAL_SH), "down"], cwd=REPO, env=env, capture_output=True, timeout=120)
         shutil.rmtree(state, ignore_errors=True)
+        shutil.rmtree(private, ignore_errors=True)
 
 
 def node_ids(cluster: LocalCluster) -> dict[str, str]:
@@ -205,6 +210,32 @@ def test_bad_preset_job_fails_fast_with_one_clear_line(ray_cluster_2_nodes, tmp_
     assert "Traceback" not in logs, logs[-3000:]
     assert not (tmp_path / "wd" / "artifacts").exists()
     assert "running ->" not in logs, logs[-2000:]  # fails before any stage starts, not deep inside one
+
+
+def test_a_local_dir_one_node_does_not_see_is_refused_before_any_stage(ray_cluster_2_nodes, s3_server,  # noqa: F811
+                                                                        mlflow_server):
+    """A workdir in the bucket whose --local-dir is not on the worker node (as on a second machine without NFS):
+    corpus and tokenize's tasks could not read or write it there, so a driver joining the cluster stops with one line
+    naming the directory, the node and the fix, before any stage and before anything is uploaded."""
+    import pyarrow.fs as pafs
+
+    cluster, fs, bucket = ray_cluster_2_nodes, s3_server.filesystem(), s3_server.bucket
+    local = cluster.worker_private / "x"
+    # a driver on this machine joins the head's GCS (local.sh's default port); the session's MLflow server spares it
+    # creating a tracking database under --local-dir (seconds, waited for before the refusal is printed)
+    env = dict(cluster.env, RAY_ADDRESS="127.0.0.1:6379", MLFLOW_TRACKING_URI=mlflow_server)
+    res = subprocess.run([sys.executable, "-m", "pipeline.run", "--preset", "debug", "--workdir", f"s3://{bucket}/blind",
+                          "--local-dir", str(local), "--until", "tokenize"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 2 and len(errors) == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "joined Ray cluster at 127.0.0.1:6379" in res.stdout and "2 node(s)" in res.stdout, res.stdout[-2000:]
+    # both nodes are on 127.0.0.1: "node 127.0.0.1;" once says the head saw it and the worker did not
+    assert f"--local-dir {local} is not on node 127.0.0.1; " in errors[0], errors
+    assert "give a --local-dir that every node mounts (NFS)" in errors[0], errors
+    assert "running ->" not in res.stdout, res.stdout[-2000:]
+    uploaded = fs.get_file_info(pafs.FileSelector(f"{bucket}/blind/artifacts", allow_not_found=True, recursive=True))
+    assert uploaded == [] and not local.exists(), uploaded  # the refused run leaves nothing
 
 
 @pytest.fixture(scope="module")
