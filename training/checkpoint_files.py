@@ -85,6 +85,18 @@ def storage_fs(uri: str):
     return pafs.LocalFileSystem(), str(Path(uri).absolute())
 
 
+def move_dir(fs, src: str, dst: str) -> None:
+    """`fs.move` for a directory: a rename on disk; in an object store, which has no directories to rename (pyarrow's
+    S3 move takes one object and answers NoSuchKey for a prefix), every object copied, then the source deleted."""
+    import pyarrow.fs as pafs
+
+    if isinstance(fs, pafs.LocalFileSystem):
+        fs.move(src, dst)
+        return
+    pafs.copy_files(src, dst, source_filesystem=fs, destination_filesystem=fs)
+    fs.delete_dir(src)
+
+
 def set_aside_if_cut_short(fs, path: str) -> bool:
     """A JSON resume record that does not parse (its writer was killed mid-write) is renamed to `<path>.cut-short`
     and True returned; a whole or absent one is left as it is."""

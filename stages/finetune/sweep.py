@@ -27,7 +27,7 @@ import numpy as np
 from core.config import FinetuneConfig
 from core.storage import join
 from stages.finetune.data import Encoded
-from training.checkpoint_files import CUT_SHORT, set_aside_if_cut_short, storage_fs
+from training.checkpoint_files import CUT_SHORT, move_dir, set_aside_if_cut_short, storage_fs
 
 if TYPE_CHECKING:
     import torch
@@ -179,7 +179,7 @@ def prepare_restore(experiment: str) -> bool:
             if _whole_pickle(f.readall()):
                 return True
     aside = f"{root}.unrestorable-{time.strftime('%Y%m%d-%H%M%S')}"
-    fs.move(root, aside)
+    move_dir(fs, root, aside)
     print(f"[finetune] the Tune experiment {experiment} has no whole state to restore from (its driver was killed "
           f"while writing it); moved to {aside}, and the sweep starts over", flush=True)
     return False

@@ -38,6 +38,7 @@ from stages.finetune.kinds import sequence
 from stages.finetune.tasks import resolve_task
 from core.tokenizer import Tokenizer
 from tests.integration.mlflow_serve import serve_once
+from tests.s3_server import s3_server  # noqa: F401  (the driver-kill sweep's Tune storage)
 
 SEQ = 64
 REPO = Path(__file__).resolve().parents[2]
@@ -526,29 +527,34 @@ def test_sweep_survives_a_killed_trial_process(tiny_pretrained, ray_local, track
         assert [m.step for m in tracker.client.get_metric_history(run.info.run_id, "train_loss")] == [1, 2]
 
 
-def _experiment_state(exp_dir: Path) -> dict[str, str]:
-    """trial id -> status, as the Tune driver last saved its experiment state."""
-    states = sorted(exp_dir.glob("experiment_state-*.json"), key=lambda p: p.stat().st_mtime)
+def _experiment_state(fs, exp_dir: str) -> dict[str, str]:
+    """trial id -> status, as the Tune driver last saved its experiment state in its storage (`fs`, `exp_dir`)."""
+    import pyarrow.fs as pafs
+
+    infos = fs.get_file_info(pafs.FileSelector(exp_dir, allow_not_found=True))
+    states = sorted(i.path for i in infos if i.base_name.startswith("experiment_state-") and i.base_name.endswith(".json"))
     if not states:
         return {}
     try:
-        trials = json.loads(states[-1].read_text())["trial_data"]
-    except ValueError:  # Tune rewrites the file in place: read mid-copy, it is read again at the next poll
+        trials = json.loads(fs.open_input_stream(states[-1]).read())["trial_data"]
+    except (OSError, ValueError):  # Tune rewrites the object in place: read mid-copy, it is read again at the next poll
         return {}
     return {t["trial_id"]: t["status"] for t in (json.loads(state) for state, _ in trials)}
 
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_sweep_resumes_after_its_driver_is_killed(tiny_pretrained, tmp_path):
+def test_sweep_resumes_after_its_driver_is_killed(tiny_pretrained, s3_server, tmp_path):  # noqa: F811
     """`python -m pipeline.run` killed with everything it started (its own PID namespace) once one trial of two has
     finished, then run again: the Tune experiment is restored, the finished trial is not run again, the other
     continues, and each trial has exactly one MLflow run, under the stage run that finished the sweep. A newer
-    experiment state cut short, as a driver killed while Tune copies it leaves it, is set aside, not read."""
+    experiment state cut short, as a driver killed while Tune copies it leaves it, is set aside, not read. Tune's
+    storage is in a bucket (`ray.storage_path=s3://...`), as on a cluster: the restore reads it from there."""
     import subprocess
     import sys
 
     import pandas as pd
+    import pyarrow.fs as pafs
     from mlflow.tracking import MlflowClient
 
     from deberta import hf
@@ -558,55 +564,92 @@ def test_sweep_resumes_after_its_driver_is_killed(tiny_pretrained, tmp_path):
     mlm = DebertaForMaskedLM(checkpoint.load_config(pre.path / "model"))
     checkpoint.load_into(mlm, pre.path / "model")
     hf_dir = hf.save_pretrained(mlm, tmp_path / "tiny-hf", vocab_dir=vocab.path)
-    wd = tmp_path / "wd"
+    wd, fs, sweeps = tmp_path / "wd", s3_server.filesystem(), f"{s3_server.bucket}/sweeps"
     sets = [f"finetune.{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in FAULT_GRID.items()]
-    sets += ["ray.num_cpus=2", "ray.dashboard=false", "finetune.max_concurrent_trials=1"]
+    sets += ["ray.num_cpus=2", "ray.dashboard=false", "finetune.max_concurrent_trials=1",
+             f"ray.storage_path=s3://{sweeps}"]
     cmd = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-m", "pipeline.run",
            "--pretrained", str(hf_dir), "--workdir", str(wd), *[a for s in sets for a in ("--set", s)]]
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
-    env["TUNE_GLOBAL_CHECKPOINT_S"] = "1"  # the driver saves its experiment state at most a second stale
+    env.update(s3_server.env, TUNE_GLOBAL_CHECKPOINT_S="1")  # the driver saves its state at most a second stale
     repo = Path(__file__).resolve().parents[2]
+
+    def experiments() -> list[str]:
+        return [i.path for i in fs.get_file_info(pafs.FileSelector(sweeps, allow_not_found=True))
+                if i.type == pafs.FileType.Directory and i.base_name.startswith("finetune-")
+                and not i.base_name.endswith("-train")]
+
+    def progress(exp: str, name: str) -> dict[str, "pd.DataFrame"]:  # a local copy of what the bucket holds
+        pafs.copy_files(exp, str(tmp_path / name), source_filesystem=fs)
+        return _progress(tmp_path / name)
 
     with open(tmp_path / "first.log", "w") as log:
         first = subprocess.Popen(cmd, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
-        deadline, states = time.time() + 600, {}
+        deadline, states, exps = time.time() + 600, {}, []
         while time.time() < deadline and first.poll() is None:
-            exp_dirs = list((wd / "ray_results").glob("finetune-*"))
-            states = _experiment_state(exp_dirs[0]) if exp_dirs else {}
+            exps = experiments()
+            states = _experiment_state(fs, exps[0]) if exps else {}
             if sorted(states.values()) == ["RUNNING", "TERMINATED"]:
                 break
             time.sleep(0.2)
         first.kill()  # unshare: with --kill-child its PID namespace, Ray included, dies with it
         first.wait(timeout=60)
     assert sorted(states.values()) == ["RUNNING", "TERMINATED"], (states, (tmp_path / "first.log").read_text()[-3000:])
-    exp_dir = exp_dirs[0]
+    assert not (wd / "ray_results").exists()  # Tune kept its experiment in the bucket, not in the workdir
+    exp = exps[0]
     done = next(t for t, s in states.items() if s == "TERMINATED")
-    before = _progress(exp_dir)
-    # a later attempt killed while Tune copied its state to storage leaves that file cut short, and it is the
+    before = progress(exp, "before")
+    # a later attempt killed while Tune copied its state to storage leaves that object cut short, and it is the
     # newest: the restore sets it aside and takes this attempt's
-    state = sorted(exp_dir.glob("experiment_state-*.json"))[-1].read_bytes()
-    cut = exp_dir / f"experiment_state-{time.strftime('%Y-%m-%d_%H-%M-%S')}.json"
-    cut.write_bytes(state[: len(state) // 2])
+    newest = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(exp))
+                    if i.base_name.startswith("experiment_state-"))[-1]
+    state = fs.open_input_stream(newest).read()
+    cut = f"{exp}/experiment_state-{time.strftime('%Y-%m-%d_%H-%M-%S')}.json"
+    with fs.open_output_stream(cut, compression=None) as out:
+        out.write(state[: len(state) // 2])
 
     second = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    art_id = exp_dir.name.removeprefix("finetune-")
+    art_id = exp.rsplit("/", 1)[1].removeprefix("finetune-")
     table = pd.read_csv(wd / "artifacts" / "finetune" / art_id / "results.csv")
-    after = _progress(exp_dir)
+    after = progress(exp, "after")
     # the same Tune trials (restored, not a fresh grid); the finished one untouched, the other one completed
     assert sorted(table["trial_id"]) == sorted(states) and (table["epochs"] == 2).all()
     assert after[done].equals(before[done]) and list(after[done]["epoch"]) == [1, 2]
     assert {int(e) for t in states for e in after[t]["epoch"]} == {1, 2}
 
     client = MlflowClient(f"sqlite:///{wd / 'mlflow' / 'mlflow.db'}")
-    exp = client.get_experiment_by_name("deberta-pipeline")
-    stage = client.search_runs([exp.experiment_id], "tags.`pipeline.stage` = 'finetune' and attributes.status = "
-                                                    "'FINISHED'")
-    trials = client.search_runs([exp.experiment_id], f"tags.`tune.experiment` = 'finetune-{art_id}'")
+    experiment = client.get_experiment_by_name("deberta-pipeline")
+    stage = client.search_runs([experiment.experiment_id], "tags.`pipeline.stage` = 'finetune' and "
+                                                           "attributes.status = 'FINISHED'")
+    trials = client.search_runs([experiment.experiment_id], f"tags.`tune.experiment` = 'finetune-{art_id}'")
     assert len(stage) == 1 and sorted(r.data.tags["tune.trial_id"] for r in trials) == sorted(states)
     for run in trials:
         assert run.info.status == "FINISHED" and run.data.tags["mlflow.parentRunId"] == stage[0].info.run_id
         assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [1, 2]
     assert "resuming the Tune experiment" in second.stdout
-    assert not cut.exists() and (exp_dir / f"{cut.name}.cut-short").read_bytes() == state[: len(state) // 2]
-    assert f"{cut.name}.cut-short" in second.stdout
+    assert fs.get_file_info(cut).type == pafs.FileType.NotFound
+    assert fs.open_input_stream(f"{cut}.cut-short").read() == state[: len(state) // 2]
+    assert f"{cut.rsplit('/', 1)[1]}.cut-short" in second.stdout
+
+
+def test_an_unrestorable_experiment_in_a_bucket_is_set_aside_whole(s3_server, monkeypatch):  # noqa: F811
+    """A Tune experiment in a bucket with only a cut-short state is moved aside object by object (an object store
+    has no directory to rename), so the sweep can start over under the same name; nothing is lost."""
+    import pyarrow.fs as pafs
+
+    fs, root = s3_server.filesystem(), f"{s3_server.bucket}/unrestorable/finetune-abc"
+    objects = {"tuner.pkl": b"\x80\x04K\x01.", "trial_0/result.json": b"{}\n",
+               "experiment_state-2026-01-01_00-00-00.json": b'{"trial_d'}
+    for rel, data in objects.items():
+        with fs.open_output_stream(f"{root}/{rel}", compression=None) as out:
+            out.write(data)
+    for k, v in s3_server.env.items():
+        monkeypatch.setenv(k, v)
+    assert ft_sweep.prepare_restore(f"s3://{root}") is False
+    assert fs.get_file_info(root).type == pafs.FileType.NotFound
+    (aside,) = [i.path for i in fs.get_file_info(pafs.FileSelector(root.rsplit("/", 1)[0]))]
+    assert aside.startswith(f"{root}.unrestorable-")
+    # every object moved, the cut-short state renamed out of Tune's pattern on the way
+    moved = {rel + ".cut-short" if rel.startswith("experiment_state-") else rel: data for rel, data in objects.items()}
+    assert {rel: fs.open_input_stream(f"{aside}/{rel}").read() for rel in moved} == moved
