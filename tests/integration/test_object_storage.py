@@ -4,7 +4,8 @@
   with nothing staged on local disk, and keeps what a local copy of the same files keeps.
 - A workdir in a bucket: artifacts are uploaded with their marker last and read back through a verified local copy;
   the same input gives the same ids and files as a local workdir; a re-run from another machine's empty local
-  directory reuses every artifact without downloading it; an object cut short is named before any stage.
+  directory reuses every artifact without downloading it; an object cut short is named before any stage; a
+  connection lost mid-upload leaves no artifact, and the same build again finishes it.
 - Credentials and endpoint come from the standard AWS environment; each way they can be wrong is one `error:` line
   naming the URI and the fix, before any stage."""
 
@@ -199,6 +200,46 @@ def test_an_artifact_in_a_bucket_is_visible_whole_and_read_verified(s3_server, n
     assert names == {"report.json", MANIFEST, SUCCESS}, names  # the old objects gone, the marker last in
     forced = ArtifactStore(workdir, tmp_path / "after-force").find("corpus", "a1")
     assert (forced.path / "report.json").read_text() == '{"forced": true}'
+
+
+def test_a_connection_lost_mid_upload_leaves_no_artifact_and_the_rerun_finishes_it(s3_server, news_subset,  # noqa: F811
+                                                                                  tmp_path, monkeypatch):
+    """The link to the server drops halfway through an artifact's upload (a real TCP cut, tests/net_cut.py): the
+    build fails, the objects already sent are no artifact to any reader, and the same build again, with the link
+    back, uploads it whole over them."""
+    import pyarrow.fs as pafs
+
+    from tests.net_cut import cut_after
+
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    fs, workdir = s3_server.filesystem(), f"s3://{s3_server.bucket}/cut"
+    root = f"{s3_server.bucket}/cut/artifacts/corpus/c1"
+    parts = {f"train/part-{i}.jsonl": news_subset(30 + i).read_bytes() for i in range(8)}
+
+    def build(store: ArtifactStore) -> None:
+        with store.building("corpus", "c1", {"stage": "corpus"}) as out:
+            for rel, data in parts.items():
+                (out / rel).parent.mkdir(parents=True, exist_ok=True)
+                (out / rel).write_bytes(data)
+
+    endpoint = s3_server.env["AWS_ENDPOINT_URL"].rsplit(":", 1)
+    with cut_after(sum(map(len, parts.values())) // 2, endpoint[0].removeprefix("http://"), int(endpoint[1])) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        writer = ArtifactStore(workdir, tmp_path / "writer")
+        with pytest.raises(OSError):
+            build(writer)
+    assert proxy.cut.is_set()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.env["AWS_ENDPOINT_URL"])
+    sent = {i.path for i in fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True)) if i.is_file}
+    assert sent and f"{root}/{SUCCESS}" not in sent  # some objects went up before the cut; the marker did not
+    reader = ArtifactStore(workdir, tmp_path / "reader")
+    assert not reader.exists("corpus", "c1") and reader.find("corpus", "c1") is None
+    assert not list((tmp_path / "writer" / "artifacts" / "corpus").iterdir())  # no local build left either
+
+    build(writer)
+    art = ArtifactStore(workdir, tmp_path / "after").find("corpus", "c1")  # fetched and verified against its manifest
+    assert {rel: (art.path / rel).read_bytes() for rel in parts} == parts
 
 
 @pytest.mark.parametrize("wrong, fragment", [
