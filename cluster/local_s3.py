@@ -4,6 +4,8 @@ on 127.0.0.1:8333 with one bucket and checks credentials as AWS does. Clients re
 environment (`S3Server.env`), as pyarrow and Ray read it. With a metrics port the server also counts the bytes it
 received and sent per bucket (its Prometheus counters), which `S3Server.traffic` reads.
 
+    python -m cluster.local_s3 /tmp/s3   # serves until Ctrl-C; prints the `export` lines a client needs
+
     with serve(Path("/tmp/s3")) as s3:   # s3.env: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL
         ...
     with serve(Path("/tmp/s3"), metrics_port=METRICS_PORT) as s3:
@@ -133,3 +135,25 @@ def serve(root: Path, bucket: str = BUCKET, timeout: float = 90,
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def main() -> None:
+    """`python -m cluster.local_s3 DIR`: serve until interrupted, printing the environment a client needs."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m cluster.local_s3", description=__doc__.split("\n\n")[0])
+    parser.add_argument("dir", type=Path, help="where the server keeps its data (thrown away on stop)")
+    parser.add_argument("--bucket", default=BUCKET)
+    args = parser.parse_args()
+    with serve(args.dir, args.bucket) as server:
+        print(f"s3://{server.bucket} served at {server.endpoint}; a client's environment:", flush=True)
+        print("\n".join(f"export {k}={v}" for k, v in server.env.items()), flush=True)
+        try:
+            signal.pause()  # until Ctrl-C or SIGTERM
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    main()
