@@ -5,12 +5,19 @@ and reads pytest's own summary line (passed, skipped, failed). Standard library 
 exists:
 
     python3 -m bench.make_test          # about half an hour on a 2-core machine
+
+Shared machines differ in speed from day to day, so the result also holds what tells a slower suite from a slower
+machine: the time of a fixed workload in the clone's venv (`machine`), and how long each of the slowest tests took
+against the last committed result (`vs_previous`: a test whose code did not change and takes twice as long says the
+machine did).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
+import statistics
 import subprocess
 import tempfile
 import time
@@ -38,6 +45,49 @@ def slowest(log: str) -> list[dict[str, object]]:
             for sec, when, test in re.findall(r"^([\d.]+)s (setup|call|teardown) +(\S+)$", log, re.M)]
 
 
+# A fixed workload timed in the clone's venv: matrix products (BLAS, as the model's steps) and an interpreter loop
+# (as Ray's and the tests' own Python); the best of three of each.
+MACHINE_PROBE = """
+import json, time, torch
+torch.set_num_threads(2)
+a = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0))
+def best(f):
+    times = []
+    for _ in range(3):
+        t = time.perf_counter(); f(); times.append(time.perf_counter() - t)
+    return round(min(times), 3)
+print(json.dumps({"matmul_1024_x100_s": best(lambda: [a @ a for _ in range(100)]),
+                  "python_loop_5m_s": best(lambda: sum(i * i for i in range(5_000_000)))}))
+"""
+
+
+def machine(clone: Path) -> dict[str, float]:
+    out = subprocess.run([str(clone / ".venv" / "bin" / "python"), "-c", MACHINE_PROBE], capture_output=True,
+                         text=True)
+    return json.loads(out.stdout) if out.returncode == 0 else {}
+
+
+def vs_previous(now: list[dict[str, object]], test_s: float, machine_now: dict[str, float]) -> dict[str, object]:
+    """This run against the last committed result: the suite's ratio, the ratio of each slowest test in both lists
+    and of the machine probe where both have it."""
+    shown = subprocess.run(["git", "show", "HEAD:bench/results/make_test.json"], cwd=REPO, capture_output=True,
+                           text=True)
+    if shown.returncode != 0:
+        return {}
+    before = json.loads(shown.stdout)
+    then = {(t["when"], t["test"]): t["s"] for t in before.get("slowest", [])}
+    ratios = sorted(round(t["s"] / then[(t["when"], t["test"])], 2) for t in now if (t["when"], t["test"]) in then)
+    out: dict[str, object] = {"commit": before["commit"], "test_s": before["test_s"],
+                              "test_s_ratio": round(test_s / before["test_s"], 2) if before.get("test_s") else None}
+    if ratios:
+        out["slowest_in_both"] = {"n": len(ratios), "ratio_min": ratios[0], "ratio_median": statistics.median(ratios),
+                                  "ratio_max": ratios[-1]}
+    common = sorted(set(machine_now) & set(before.get("machine", {})))
+    if common:
+        out["machine_ratio"] = {k: round(machine_now[k] / before["machine"][k], 2) for k in common}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", type=Path, default=RESULTS / "make_test.json")
@@ -50,12 +100,14 @@ def main() -> None:
         clone = Path(tmp) / "clone"
         subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
         install_s, install_rc = timed(["make", "install"], clone, args.log)
+        probe = machine(clone) if install_rc == 0 else {}
         test_s, test_rc = timed(["make", "test"], clone, args.log) if install_rc == 0 else (0.0, install_rc)
     log = args.log.read_text()
     counts = pytest_counts(log)
     report = {"bench": "make_test", "command": "python3 -m bench.make_test", "commit": commit,
               "install_s": round(install_s, 1), "test_s": round(test_s, 1), "total_s": round(install_s + test_s, 1),
-              "rc": test_rc, "pytest": counts, "slowest": slowest(log), "log": str(args.log)}
+              "rc": test_rc, "pytest": counts, "slowest": slowest(log), "machine": probe,
+              "vs_previous": vs_previous(slowest(log), test_s, probe), "log": str(args.log)}
     table = (f"| commit | install | tests | total | pytest |\n|---|---|---|---|---|\n"
              f"| {commit} | {install_s / 60:.1f} min | {test_s / 60:.1f} min | {(install_s + test_s) / 60:.1f} min "
              f"| {', '.join(f'{n} {k}' for k, n in counts.items())} |")
