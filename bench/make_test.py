@@ -78,7 +78,7 @@ def vs_previous(now: list[dict[str, object]], test_s: float, machine_now: dict[s
     then = {(t["when"], t["test"]): t["s"] for t in before.get("slowest", [])}
     ratios = sorted(round(t["s"] / then[(t["when"], t["test"])], 2) for t in now if (t["when"], t["test"]) in then)
     out: dict[str, object] = {"commit": before["commit"], "test_s": before["test_s"],
-                              "test_s_ratio": round(test_s / before["test_s"], 2) if before.get("test_s") else None}
+                              "test_s_ratio": round(test_s / before["test_s"], 2)}
     if ratios:
         out["slowest_in_both"] = {"n": len(ratios), "ratio_min": ratios[0], "ratio_median": statistics.median(ratios),
                                   "ratio_max": ratios[-1]}
@@ -103,11 +103,11 @@ def main() -> None:
         probe = machine(clone) if install_rc == 0 else {}
         test_s, test_rc = timed(["make", "test"], clone, args.log) if install_rc == 0 else (0.0, install_rc)
     log = args.log.read_text()
-    counts = pytest_counts(log)
+    counts, durations = pytest_counts(log), slowest(log)
     report = {"bench": "make_test", "command": "python3 -m bench.make_test", "commit": commit,
               "install_s": round(install_s, 1), "test_s": round(test_s, 1), "total_s": round(install_s + test_s, 1),
-              "rc": test_rc, "pytest": counts, "slowest": slowest(log), "machine": probe,
-              "vs_previous": vs_previous(slowest(log), test_s, probe), "log": str(args.log)}
+              "rc": test_rc, "pytest": counts, "slowest": durations, "machine": probe,
+              "vs_previous": vs_previous(durations, test_s, probe), "log": str(args.log)}
     table = (f"| commit | install | tests | total | pytest |\n|---|---|---|---|---|\n"
              f"| {commit} | {install_s / 60:.1f} min | {test_s / 60:.1f} min | {(install_s + test_s) / 60:.1f} min "
              f"| {', '.join(f'{n} {k}' for k, n in counts.items())} |")
