@@ -208,6 +208,7 @@ def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path
     from stages import corpus
     from core.errors import StageInputError
     from core.init_checkpoint import resolve_init
+    from stages.finetune import check_task
     from stages.finetune.tasks import resolve_task
 
     init = cfg.finetune.init
@@ -232,6 +233,7 @@ def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path
             ids["raw"] = artifact_id("raw", RAW_ID_VERSION, fingerprint, {})
         if "finetune" in planned:
             task = resolve_task(cfg.finetune.task, workdir)
+            check_task(cfg.finetune, task)  # what the task's kind needs of the settings (`TaskKind.check`)
             objects["task"], ids["task"] = task, task.id
     except StageInputError as e:
         raise UserError(str(e)) from None

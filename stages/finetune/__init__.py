@@ -39,6 +39,11 @@ VERSION = "2"
 """Bumped when the stage's code changes what it writes (part of the artifact id)."""
 
 
+def check_task(cfg: FinetuneConfig, task: TaskRef) -> None:
+    """Before Ray starts (the real run and `--dry-run`): what the task's kind needs of the settings."""
+    kind_of(task.kind).check(cfg, task)
+
+
 def dry_run(cfg: FinetuneConfig, model: DebertaConfig, inputs: dict | None = None) -> str:
     """One line for `--dry-run`: the size of the sweep."""
     grid = " x ".join(f"{k}{list(getattr(cfg, k))}" for k in (*GRID_KEYS, "seeds"))

@@ -120,6 +120,9 @@ class TaskKind:
         """The task in directory `path`: train and dev split, checked."""
         raise NotImplementedError
 
+    def check(self, cfg: "FinetuneConfig", task: TaskRef) -> None:
+        """What the kind needs of the settings, checked before Ray starts (StageInputError naming the fix)."""
+
     def encode(self, task: TaskRef, split: Any, tok_dir: Path, cfg: "FinetuneConfig") -> Encoded:
         """Examples -> token rows (and the targets of the kind's loss); tok_dir: the vocabulary (spm.model +
         special_tokens.json) of the checkpoint being fine-tuned."""
