@@ -46,9 +46,11 @@ HF_TASKS = {"text-classification": (("sentence1",), ("sentence1", "sentence2")),
             "token-classification": (("text",),), "question-answering": (("question", "context"),),
             "fill-mask": (("text",),), "feature-extraction": (("text",),)}
 HF_PYFUNC = Path(__file__).with_name("hf_pyfunc.py")
+KIND_TASKS = ("text-classification", "token-classification", "question-answering")
+"""The tasks of fine-tuned models, answered by their task kind's code (core/hf_pyfunc.py)."""
 # What the model needs at load time. Given, MLflow does not infer them (it would load the model again in a
 # subprocess); local version labels (+cpu) are dropped so the pins resolve on any index.
-HF_REQUIREMENTS = ("transformers", "tokenizers", "safetensors", "torch", "pandas")
+HF_REQUIREMENTS = ("transformers", "tokenizers", "safetensors", "torch", "pandas", "numpy")
 
 
 def default_tracking_uri(workdir: Path) -> str:
@@ -188,13 +190,16 @@ class Tracker:
         self.client.set_terminated(self.run_id, status)
 
     def log_hf_model(self, hf_dir: Path | str, *, task: str, input_example, name: str = "model",
-                     tags: dict[str, Any] | None = None) -> str:
+                     tags: dict[str, Any] | None = None, kind: str = "", code_paths: tuple[Path, ...] = ()) -> str:
         """Log an HF directory (`deberta.hf.save_pretrained`) as an MLflow Model - core/hf_pyfunc.py over the
         directory, kept whole as the model's artifact `hf` - in an MLflow 3 logged model of this run's experiment
         whose source run is this one. Returns its URI, `models:/<model_id>`, for `register_model(model_uri=...)`.
 
         task: a key of HF_TASKS. input_example: a pandas DataFrame (or dict of lists) whose columns are the model's
         inputs: `sentence1` (and `sentence2` for pair tasks) for text-classification, `text` otherwise.
+        kind: for a fine-tuned model (every task but fill-mask and feature-extraction), the module of the task
+        kind whose code predicts (`stages.finetune.kinds.base.TaskKind`), importable from `code_paths`, which the
+        model ships (MLflow's `code_paths`).
         """
         import pandas as pd
 
@@ -204,6 +209,9 @@ class Tracker:
         if not (hf_dir / "config.json").is_file() or not (hf_dir / "tokenizer.json").is_file():
             raise FileNotFoundError(f"log_hf_model: {hf_dir} lacks config.json or tokenizer.json; write it with "
                                     f"deberta.hf.save_pretrained(model, dir, vocab_dir=...)")
+        if (task in KIND_TASKS) != bool(kind) or bool(kind) != bool(code_paths):
+            raise ValueError(f"log_hf_model: a {task} model needs kind and code_paths exactly when it is one of "
+                             f"{KIND_TASKS} (got kind={kind!r})")
         example = pd.DataFrame(input_example)
         if tuple(example.columns) not in HF_TASKS[task]:
             raise ValueError(f"log_hf_model: input_example has columns {list(example.columns)}; a {task} model "
@@ -214,7 +222,7 @@ class Tracker:
             self.experiment_id, name=name, source_run_id=self.run_id, model_type=task,
             params=self.client.get_run(self.run_id).data.params,
             tags={k: str(v) for k, v in (tags or {}).items()} or None)
-        _log_pyfunc_model(self.tracking_uri, self.run_id, logged.model_id, hf_dir, task, example)
+        _log_pyfunc_model(self.tracking_uri, self.run_id, logged.model_id, hf_dir, task, example, kind, code_paths)
         return f"models:/{logged.model_id}"
 
     def register_model(self, name: str, artifact_path: str | None = None, tags: dict[str, Any] | None = None,
@@ -246,7 +254,8 @@ class Tracker:
         return str(mv.version)
 
 
-def _log_pyfunc_model(tracking_uri: str, run_id: str, model_id: str, hf_dir: Path, task: str, example) -> None:
+def _log_pyfunc_model(tracking_uri: str, run_id: str, model_id: str, hf_dir: Path, task: str, example, kind: str,
+                      code_paths: tuple[Path, ...]) -> None:
     """Fill logged model `model_id` with core/hf_pyfunc.py over the HF directory."""
     import tempfile
 
@@ -256,13 +265,14 @@ def _log_pyfunc_model(tracking_uri: str, run_id: str, model_id: str, hf_dir: Pat
         # the task and input columns as an artifact, not as model_config: Model.log copies a model_config into the
         # run's params, where a second model of the same run would collide with the first
         interface = Path(tmp) / "interface.json"
-        interface.write_text(json.dumps({"task": task, "inputs": list(example.columns)}) + "\n")
+        interface.write_text(json.dumps({"task": task, "inputs": list(example.columns), "kind": kind}) + "\n")
         # Model.log rather than mlflow.pyfunc.log_model, which cannot name the run (it would need an active one)
         Model.log(
             artifact_path=None, name="model", flavor=mlflow.pyfunc, run_id=run_id, model_id=model_id,
             python_model=str(HF_PYFUNC), artifacts={"hf": str(hf_dir), "interface": str(interface)},
             signature=_hf_signature(task, list(example.columns), hf_dir), input_example=example,
             pip_requirements=[f"{p}=={metadata.version(p).split('+')[0]}" for p in HF_REQUIREMENTS],
+            code_paths=[str(p) for p in code_paths] or None,
         )
 
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from core.tokenizer import MODEL_FILE, SPECIAL_FILE
 from stages.base import StageContext
 from stages.finetune.kinds import kind_of
-from stages.finetune.kinds.base import TaskRef
+from stages.finetune.kinds.base import TaskRef, code_tree
 from stages.finetune.sweep import GRID_KEYS
 
 if TYPE_CHECKING:
@@ -108,7 +109,9 @@ def register_champion(ctx: StageContext, out: Path, task: TaskRef, champion: dic
     if init is not None:
         tags.update(init=init.source, init_digest=init.id)
     kind = kind_of(task.kind)
-    uri = ctx.tracker.log_hf_model(out / "hf", task=kind.pyfunc_task, input_example=kind.input_example(task),
-                                   name="champion", tags=tags)
+    with tempfile.TemporaryDirectory() as code:  # the kinds' code ships with the model: it predicts (one path)
+        uri = ctx.tracker.log_hf_model(out / "hf", task=kind.pyfunc_task, input_example=kind.input_example(task),
+                                       name="champion", tags=tags, kind=type(kind).__module__,
+                                       code_paths=tuple(code_tree(Path(code))))
     return ctx.tracker.register_model(f"deberta-{ctx.preset}-{task.name}", model_uri=uri, alias="champion",
                                       tags=tags)

@@ -41,9 +41,8 @@ from deberta.sift import sift_loss
 from core.config import FinetuneConfig
 from core.errors import StageInputError
 from stages.finetune.kinds import kind_of
-from stages.finetune.kinds.base import Encoded
+from stages.finetune.kinds.base import EVAL_BATCH, Encoded
 
-EVAL_BATCH = 128
 TRIAL_STATE = "trial_state.pt"
 """Beside model.pt in a torch trial's checkpoint: what `restore_progress` needs to continue the loop."""
 

@@ -35,6 +35,7 @@ from stages.finetune import trial as ft_trial
 from core.errors import StageInputError
 from stages.base import StageContext
 from stages.finetune.kinds import sequence
+from stages.finetune.kinds.base import fast_tokenizer
 from stages.finetune.tasks import resolve_task
 from core.tokenizer import Tokenizer
 from tests.integration.mlflow_serve import serve_once
@@ -175,7 +176,7 @@ def test_sweep_beats_baseline_and_registers_champion(tiny_pretrained, ray_local,
     clf = DebertaForSequenceClassification(checkpoint.load_config(out / "model"), saved["num_labels"], 0.0)
     clf.load_state_dict(torch.load(out / "model" / "model.pt", weights_only=True))
     tok = Tokenizer.load(out / "model" / "tokenizer")
-    dev = sequence.encode_split(tok, task.dev, SEQ)
+    dev = sequence.encode_split(fast_tokenizer(out / "model" / "tokenizer", SEQ), task.dev, SEQ)
     assert ft_trial.evaluate(clf, dev, task.kind, "cpu")["accuracy"] == pytest.approx(best, abs=1e-6)
 
     # the registry: champion alias with lineage tags; every trial a nested run with per-epoch metrics
@@ -209,7 +210,8 @@ def test_sweep_beats_baseline_and_registers_champion(tiny_pretrained, ray_local,
     assert loaded.metadata.get_input_schema().input_names() == ["sentence1"]
     predicted = loaded.predict(pd.DataFrame({"sentence1": list(task.dev.text_a)}))
     gold = [task.labels[int(y)] for y in task.dev.label]
-    assert np.mean([p == g for p, g in zip(predicted["label"], gold)]) == pytest.approx(best, abs=0.005)
+    # exactly: the same rows, batches and decoding as the dev metric (the sequence kind's code, shipped in the model)
+    assert np.mean([p == g for p, g in zip(predicted["label"], gold)]) == pytest.approx(best, rel=1e-12)
     # ... and `mlflow models serve` serves that champion: real dev sentences in, the task's label names out
     sentences = pd.DataFrame({"sentence1": list(task.dev.text_a[:16])})
     served = serve_once(champion, mlflow_server, sentences, tmp_path / "serve.log")
@@ -435,7 +437,7 @@ def test_deepspeed_sweep_zero3_two_workers_with_sift(tiny_pretrained, ray_local,
     clf = DebertaForSequenceClassification(checkpoint.load_config(out / "model"), saved["num_labels"], 0.0)
     tuned = torch.load(out / "model" / "model.pt", weights_only=True)
     clf.load_state_dict(tuned)
-    dev = sequence.encode_split(Tokenizer.load(out / "model" / "tokenizer"), task.dev, SEQ)
+    dev = sequence.encode_split(fast_tokenizer(out / "model" / "tokenizer", SEQ), task.dev, SEQ)
     scored = ft_trial.evaluate(clf, dev, task.kind, "cpu")
     assert best != 0.0, "constant predictions (Pearson 0 by definition) would not tell weights apart"
     # within float rounding: the trial's forward ran on two ranks gathering ZeRO-3 shards, this one on whole weights

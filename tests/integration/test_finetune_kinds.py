@@ -11,7 +11,6 @@ article, which by construction holds no answer.
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +26,8 @@ from deberta import checkpoint
 from deberta.heads import build_head
 from stages import finetune
 from stages.finetune.data import prepare_data
-from stages.finetune.kinds import kind_of, span, token
+from stages.finetune.kinds import kind_of, squad_eval, token
+from stages.finetune.kinds.entities import entity_scores
 from stages.finetune.tasks import resolve_task
 from tests.integration.test_finetune import _context, _plain_transformers_directory
 
@@ -213,10 +213,10 @@ def test_token_windows_label_first_pieces_and_merge_by_most_context(tiny_pretrai
     wrong = len(task.labels) - 1
     outputs = []
     for r in range(len(dev)):
-        out = np.full(dev.ids.shape[1], wrong, dtype=np.int16)
+        out = np.stack([np.full(dev.ids.shape[1], wrong), np.ones(dev.ids.shape[1])], -1)  # (T, 2): tag, prob
         for p in np.flatnonzero(first[r]):
             if best[(int(rows.sentence[r]), int(rows.word_ids[r, p]))][1] == r:
-                out[p] = dev.label[r, p]
+                out[p, 0] = dev.label[r, p]
         outputs.append(out)
     assert sum(len(set(np.flatnonzero(first[r])) ) for r in range(len(dev))) > len(best)  # words seen twice
     scores = kind_of("token").dev_metrics("token", outputs, dev)
@@ -252,14 +252,14 @@ def test_span_windows_target_the_answer_and_the_search_finds_it(tiny_pretrained,
         return out
 
     scores = kind_of("span").dev_metrics("span", peaked(dev), dev)
-    assert scores["exact"] == scores["f1"] == 100.0 and scores["NoAns_f1"] == scores["HasAns_f1"] == 100.0
+    assert scores["exact"] == scores["f1"] == 1.0 and scores["NoAns_f1"] == scores["HasAns_f1"] == 1.0
     # the threshold chosen on dev separates the no-answer score (20) from an answered question's (-20)
     assert -20.0 <= scores["null_threshold"] < 20.0
     short = FinetuneConfig(max_seq_len=SEQ, doc_stride=16, max_answer_len=2)
     _, dev_short = prepare_data(task, pre.path / "tokenizer", short)
     long_answers = [qa for qa in task.dev.questions if qa.answers and len(qa.answers[0][0].split()) > 2]
     assert long_answers
-    assert kind_of("span").dev_metrics("span", peaked(dev_short), dev_short)["HasAns_exact"] < 100.0
+    assert kind_of("span").dev_metrics("span", peaked(dev_short), dev_short)["HasAns_exact"] < 1.0
 
 
 # ----------------------------------------------------------------------------------------------- sweeps
@@ -315,16 +315,30 @@ def test_token_sweep_on_deepspeed_with_sift_registers_a_tagger_of_raw_text(tiny_
         theirs = exported(input_ids=ids, attention_mask=(ids != 0).long()).logits
     real = ids != 0  # padding positions carry no prediction (ours zeroes their embeddings, HF does not)
     assert float((ours[real] - theirs[real]).abs().max()) <= 1e-5
-    # the registry version tags raw text: entities whose offsets slice the text they name
+    # served is measured: the registry version tags the dev sentences as raw text (words joined by spaces), its
+    # entities are whole words, and read back as word tags they score exactly the entity F1 the sweep logged
     mlflow.set_tracking_uri(mlflow_server)
     loaded = mlflow.pyfunc.load_model("models:/deberta-debug-wnut-small@champion")
-    texts = [" ".join(words) for words in task.dev.words[:40]]
+    texts = [" ".join(words) for words in task.dev.words]
     predicted = loaded.predict(pd.DataFrame({"text": texts}))
     assert len(predicted) == len(texts)
-    found = [(t, e) for t, ents in zip(texts, predicted["entities"]) for e in ents]
-    for text, e in found:
-        assert text[e["start"]:e["end"]].strip() and e["entity_group"] in {t[2:] for t in task.labels if t != "O"}
-        assert 0.0 < e["score"] <= 1.0
+    served = []
+    for words, text, ents in zip(task.dev.words, texts, predicted["entities"]):
+        starts = np.cumsum([0] + [len(w) + 1 for w in words[:-1]])  # each word's first character in the text
+        first = {int(a): i for i, a in enumerate(starts)}
+        last = {int(a) + len(w): i for i, (a, w) in enumerate(zip(starts, words))}
+        tags = ["O"] * len(words)
+        for e in ents:
+            assert e["start"] in first and e["end"] in last, (text, e)  # whole words, never a space or a part
+            assert text[e["start"]:e["end"]] == e["word"] and 0.0 < e["score"] <= 1.0
+            a, b = first[e["start"]], last[e["end"]]
+            tags[a:b + 1] = [f"B-{e['entity_group']}"] + [f"I-{e['entity_group']}"] * (b - a)
+        served.append(tags)
+    assert sum(t != "O" for tags in served for t in tags) > 0, "no entity served: nothing was compared"
+    gold = [[task.labels[t] for t in tags] for tags in task.dev.tags]
+    logged = float(mlflow.MlflowClient().get_model_version_by_alias("deberta-debug-wnut-small", "champion").tags["dev_f1"])
+    assert entity_scores(gold, served)["f1"] == pytest.approx(result.metrics["best_dev_f1"], rel=1e-12)
+    assert result.metrics["best_dev_f1"] == pytest.approx(logged, abs=1e-6)
 
 
 @pytest.mark.ray
@@ -385,4 +399,8 @@ def test_span_sweep_v2_from_a_plain_transformers_directory(tiny_pretrained, ray_
             assert q.context[a["start"]:a["end"]] == a["answer"]
         else:
             assert (a["start"], a["end"]) == (-1, -1)
-    assert math.isfinite(result.metrics["best_dev_f1"])
+    # served is measured: the official v2.0 F1 of the served answers (at the exported threshold) is the logged one
+    served_f1 = np.mean([squad_eval.f1(a, [t for t, _ in q.answers], "2.0")
+                         for q, a in zip(questions, answers["answer"])])
+    assert served_f1 == pytest.approx(result.metrics["best_dev_f1"], rel=1e-12)
+    assert 0.0 <= result.metrics["best_dev_f1"] <= 1.0  # fractions, as every kind's metrics

@@ -27,6 +27,7 @@ from deberta.model import DebertaForMaskedLM, DebertaModel
 from core.config import VocabConfig
 from core.lineage import EXPERIMENT_KIND, TAG_EXPERIMENT_KIND, Lineage
 from core.tokenizer import MODEL_FILE, SPECIAL_FILE, Tokenizer
+from stages.finetune.kinds.base import code_tree
 from stages.vocab import train_model
 from tests.integration.mlflow_serve import fill_mask_reference, serve_once
 
@@ -85,10 +86,13 @@ def registered(mlflow_server, vocab_dir, tmp_path_factory):
                 "sts": hf.save_pretrained(models["sts"], root / "sts", vocab_dir=vocab_dir, model_max_length=64),
                 "mlm": hf.save_pretrained(models["mlm"], root / "mlm", vocab_dir=vocab_dir),
                 "enc": hf.save_pretrained(models["enc"], root / "enc", vocab_dir=vocab_dir)}
+        code = tuple(code_tree(root / "code"))  # the sequence kind answers for a classifier (one prediction path)
+        seq = {"kind": "stages.finetune.kinds.sequence", "code_paths": code}
         uris = {
             "clf": tracker.log_hf_model(dirs["clf"], task="text-classification",
-                                        input_example=pd.DataFrame({"sentence1": REVIEWS[:2]}), tags={"task": "rt"}),
-            "sts": tracker.log_hf_model(dirs["sts"], task="text-classification", input_example=PAIRS),
+                                        input_example=pd.DataFrame({"sentence1": REVIEWS[:2]}), tags={"task": "rt"},
+                                        **seq),
+            "sts": tracker.log_hf_model(dirs["sts"], task="text-classification", input_example=PAIRS, **seq),
             "mlm": tracker.log_hf_model(dirs["mlm"], task="fill-mask",
                                         input_example={"text": ["The president of the United [MASK] said."]}),
             "enc": tracker.log_hf_model(dirs["enc"], task="feature-extraction", input_example={"text": REVIEWS[:1]}),
@@ -117,7 +121,10 @@ def test_registry_holds_logged_models_of_the_run(mlflow_server, registered):
     with pytest.raises(FileNotFoundError, match="lacks config.json or tokenizer.json"):
         tracker.log_hf_model(dirs["clf"].parent, task="fill-mask", input_example={"text": ["x"]})
     with pytest.raises(ValueError, match=re.escape("takes ['sentence1'] or ['sentence1', 'sentence2']")):
-        tracker.log_hf_model(dirs["clf"], task="text-classification", input_example={"text": ["x"]})
+        tracker.log_hf_model(dirs["clf"], task="text-classification", input_example={"text": ["x"]},
+                             kind="stages.finetune.kinds.sequence", code_paths=(dirs["clf"],))
+    with pytest.raises(ValueError, match="needs kind and code_paths"):  # a classifier answers through its kind
+        tracker.log_hf_model(dirs["clf"], task="text-classification", input_example={"sentence1": ["x"]})
     with pytest.raises(ValueError, match="exactly one of model_uri"):
         tracker.register_model("deberta-debug-clf", "model", model_uri=uris["clf"])
 

@@ -595,8 +595,8 @@ def test_albert_options_train_and_fine_tune(ray_cluster_2_nodes, tokens, model_c
 
     from deberta import checkpoint
     from deberta.heads import DebertaForSequenceClassification
-    from core.tokenizer import Tokenizer
     from stages.finetune.kinds import sequence
+    from stages.finetune.kinds.base import fast_tokenizer
     from stages.finetune import trial as ft_trial
     from core.config import FinetuneConfig
     from stages.finetune.tasks import resolve_task
@@ -640,6 +640,6 @@ def test_albert_options_train_and_fine_tune(ray_cluster_2_nodes, tokens, model_c
     assert checkpoint.load_config(ft) == albert
     clf = DebertaForSequenceClassification(albert, json.loads((ft / "finetune.json").read_text())["num_labels"], 0.0)
     clf.load_state_dict(torch.load(ft / "model.pt", weights_only=True))
-    dev = sequence.encode_split(Tokenizer.load(ft / "tokenizer"), task.dev, SEQ_LEN)
+    dev = sequence.encode_split(fast_tokenizer(ft / "tokenizer", SEQ_LEN), task.dev, SEQ_LEN)
     assert ft_trial.evaluate(clf, dev, task.kind, "cpu")["accuracy"] == \
         pytest.approx(finetuned.metrics["best_dev_accuracy"], abs=1e-6)

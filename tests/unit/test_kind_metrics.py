@@ -9,9 +9,10 @@ library's squad and squad_v2 metric cards publish for their examples.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from stages.finetune.kinds import squad_eval
+from stages.finetune.kinds import span, squad_eval
 from stages.finetune.kinds.entities import entity_scores, get_entities, infer_scheme
 
 # ----------------------------------------------------------------------------------------------- seqeval
@@ -245,3 +246,50 @@ def test_v2_splits_and_best_threshold():
     assert (out["HasAns_exact"], out["NoAns_exact"], out["HasAns_total"], out["NoAns_total"]) == (50.0, 50.0, 2, 2)
     assert (out["best_f1"], out["best_f1_thresh"]) == (pytest.approx(75.0), 0.1)
     assert squad_eval.evaluate_v2(dataset, preds)["NoAns_exact"] == 50.0  # no probabilities: every text kept
+
+
+# ----------------------------------------------------------------------------------------------- v2.0 threshold
+def test_v2_threshold_on_logit_differences_can_choose_never():
+    """Logit differences (no-answer score minus best span's) are mostly negative: when answering nothing is
+    best, every question stays unanswered, the threshold below them all (the official script's 0.0 start would
+    answer all three: F1 0)."""
+    golds = (("Paris",), (), ())
+    out = span.answer_metrics(golds, {0: "London", 1: "x", 2: "y"}, {0: -3.0, 1: -1.0, 2: -2.0}, "2.0")
+    assert out["f1"] == pytest.approx(2 / 3) and out["exact"] == pytest.approx(2 / 3)
+    assert out["null_threshold"] < -3.0
+
+
+def test_v2_threshold_keeps_ties_together_and_reproduces_its_score():
+    """Equal differences are answered together: two right answers and a wrong one at -1 (gain 1 + 1 - 1) beat
+    never answering, and the threshold lies strictly between -1 and the next difference, so applying it gives the
+    F1 it reports (a threshold at a tied value, as the official walk may leave, answers a different set)."""
+    golds = (("Paris",), ("Rome",), (), ())
+    texts = {0: "Paris", 1: "Rome", 2: "z", 3: "w"}
+    out = span.answer_metrics(golds, texts, {0: -1.0, 1: -1.0, 2: -1.0, 3: 4.0}, "2.0")
+    assert -1.0 < out["null_threshold"] < 4.0 and out["f1"] == pytest.approx(3 / 4)
+    # a tie whose group gains nothing is not split for the right answer inside it
+    out = span.answer_metrics(golds[:1] + golds[2:3], {0: "Paris", 1: "z"}, {0: 2.0, 1: 2.0}, "2.0")
+    assert out["null_threshold"] < 2.0 and out["f1"] == pytest.approx(1 / 2)
+
+
+def test_v2_threshold_never_below_always_or_never_answering():
+    """On dev sets where most questions are unanswerable, the chosen threshold scores at least the better of
+    always and never answering (both are candidates), and `null_threshold` answers exactly the questions at or
+    below it."""
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n = int(rng.integers(1, 12))
+        golds = tuple(("a b",) if rng.random() < 0.3 else () for _ in range(n))
+        texts = {q: str(rng.choice(["a b", "a", "c"])) for q in range(n)}
+        diff = {q: float(rng.choice([-2.0, -1.0, -0.5, 0.0, 1.5])) for q in range(n)}
+        got = span.answer_metrics(golds, texts, diff, "2.0")["f1"]
+        never = np.mean([not g for g in golds])
+        always = np.mean([squad_eval.f1(texts[q], list(golds[q]), "2.0") for q in range(n)])
+        assert got >= max(never, always) - 1e-12
+
+
+def test_span_baseline_picks_never_when_most_questions_have_no_answer():
+    """The one-rule baseline is 'the better of always and never answering': never, here (2 of 3 unanswerable)."""
+    golds = (("Paris",), (), ())
+    assert span.answer_metrics(golds, {0: "London", 1: "x", 2: "y"}, {0: 0.0, 1: 0.0, 2: 0.0}, "2.0")["f1"] == \
+        pytest.approx(2 / 3)

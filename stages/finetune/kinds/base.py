@@ -100,6 +100,10 @@ class Encoded:
         return Encoded(self.ids[rows], self.label[rows], None)
 
 
+EVAL_BATCH = 128
+"""Rows per forward pass of evaluation and serving (the same batches, so the same padding widths)."""
+
+
 class TaskKind:
     """The base every kind extends. Methods raise StageInputError for what a user can fix."""
 
@@ -147,6 +151,59 @@ class TaskKind:
     def input_example(self, task: TaskRef) -> dict[str, list[str]]:
         """Two dev inputs as the registered model's DataFrame columns."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------- serving: the registered model runs these
+    # The MLflow Model (core/hf_pyfunc.py) ships this package (`code_tree`) and predicts with the same feature and
+    # decoding code as the dev metrics: `encode_inputs` -> the export's forward (`hf_logits`) -> `row_outputs`
+    # (the trial's own) -> `answers`. `settings` is the export's config.json (with `export_config`'s fields) and
+    # `max_seq_len`, the tokenizer's `model_max_length`.
+
+    answer_columns: tuple[str, ...] = ()
+    """The columns of the registered model's answer DataFrame."""
+
+    def encode_inputs(self, fast, columns: dict[str, list[str]], settings: dict[str, Any]) -> Encoded:
+        """The served model's input columns -> rows, by the code that encodes the task's splits."""
+        raise NotImplementedError
+
+    def hf_logits(self, out) -> "torch.Tensor":
+        """A transformers model's output -> logits in this kind's head layout (what `row_outputs` reads)."""
+        return out.logits
+
+    def answers(self, outputs: list[np.ndarray], rows: Encoded, settings: dict[str, Any]) -> list[dict[str, Any]]:
+        """Row outputs -> one answer per input row, as the registered model returns them."""
+        raise NotImplementedError
+
+    def forward_rows(self, forward, ids: np.ndarray, batch: int = EVAL_BATCH) -> list[np.ndarray]:
+        """`row_outputs` of every row of `ids` (N, T), in the batches the dev metrics use: `batch` rows with the
+        padding they all share trimmed; forward(ids (B, T'), mask (B, T')) -> this kind's logits."""
+        import torch
+
+        out: list[np.ndarray] = []
+        for b in range(0, len(ids), batch):
+            chunk = ids[b:b + batch]  # [PAD] = 0 (fixed by the vocab stage)
+            width = max(1, int((chunk != 0).sum(1).max()))
+            t = torch.from_numpy(chunk[:, :width].astype(np.int64))  # (B, T')
+            mask = (t != 0).long()
+            with torch.inference_mode():
+                out += self.row_outputs(forward(t, mask).float(), mask)
+        return out
+
+
+def code_tree(dst: Path) -> list[Path]:
+    """The task kinds as an importable tree under `dst` (`stages/finetune/kinds/` and `core/errors.py`, the one
+    module of ours they import), for an MLflow Model's `code_paths`: the registered model predicts with this code
+    and needs nothing of the repository. The parent packages are empty there, so importing the kinds pulls in
+    neither Ray nor the rest of the stage."""
+    import shutil
+
+    kinds = Path(__file__).parent
+    repo = kinds.parents[2]
+    shutil.copytree(kinds, dst / "stages" / "finetune" / "kinds", ignore=shutil.ignore_patterns("__pycache__"))
+    (dst / "core").mkdir(parents=True)
+    shutil.copyfile(repo / "core" / "errors.py", dst / "core" / "errors.py")
+    for package in (dst / "stages", dst / "stages" / "finetune", dst / "core"):
+        (package / "__init__.py").write_text("")
+    return [dst / "stages", dst / "core"]
 
 
 def check_stride(cfg: "FinetuneConfig", room: int) -> None:

@@ -31,14 +31,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from core.errors import StageInputError
-from stages.finetune.kinds.base import (Encoded, TaskKind, TaskRef, first_record_keys, make_task, split_file,
-                                        task_name)
+from stages.finetune.kinds.base import (Encoded, TaskKind, TaskRef, fast_tokenizer, first_record_keys, make_task,
+                                        split_file, task_name)
 
 if TYPE_CHECKING:
     import torch
 
     from core.config import FinetuneConfig
-    from core.tokenizer import Tokenizer
 
 CLASSIFICATION, REGRESSION = "classification", "regression"
 CLASSIFICATION_METRICS = ("accuracy", "f1", "mcc")
@@ -300,29 +299,17 @@ def majority_baseline(task: TaskRef) -> float:
 
 # ----------------------------------------------------------------------------------------------- features
 
-def _truncate_pair(a: list[int], b: list[int] | None, budget: int) -> tuple[list[int], list[int] | None]:
-    """Longest-first truncation (as HF tokenizers) until both fit in `budget` pieces."""
-    if b is None:
-        return a[:budget], None
-    la, lb = len(a), len(b)
-    while la + lb > budget:
-        if la >= lb:
-            la -= 1
-        else:
-            lb -= 1
-    return a[:la], b[:lb]
+def encode_split(fast, split: Split, max_len: int) -> Encoded:
+    """[CLS] a [SEP] (b [SEP]) per example through the export's fast tokenizer (longest-first truncation),
+    right-padded with [PAD]; label (N,) float32."""
+    return Encoded(encode_texts(fast, list(split.text_a), None if split.text_b is None else list(split.text_b),
+                                max_len), np.asarray(split.label, dtype=np.float32))
 
 
-def encode_split(tok: "Tokenizer", split: Split, max_len: int) -> Encoded:
-    """[CLS] a [SEP] (b [SEP]) per example, right-padded with [PAD]; label (N,) float32."""
-    a_ids = tok.encode(split.text_a, num_threads=1)
-    b_ids = tok.encode(split.text_b, num_threads=1) if split.text_b is not None else [None] * len(a_ids)
-    ids = np.full((len(a_ids), max_len), tok.pad_id, dtype=np.int32)
-    for i, (a, b) in enumerate(zip(a_ids, b_ids)):
-        a, b = _truncate_pair(a, b, max_len - (2 if b is None else 3))
-        row = [tok.cls_id, *a, tok.sep_id] + ([] if b is None else [*b, tok.sep_id])
-        ids[i, :len(row)] = row
-    return Encoded(ids, np.asarray(split.label, dtype=np.float32))
+def encode_texts(fast, text_a: list[str], text_b: list[str] | None, max_len: int) -> np.ndarray:
+    """(N, max_len) int32 ids of texts (or pairs): what training, the dev metrics and the registered model read."""
+    enc = fast(text_a, text_b, truncation=True, max_length=max_len, padding="max_length")
+    return np.asarray(enc["input_ids"], dtype=np.int32)
 
 
 class SequenceKind(TaskKind):
@@ -339,17 +326,29 @@ class SequenceKind(TaskKind):
         return glue_task(path, meta)
 
     def encode(self, task: TaskRef, split: Split, tok_dir: Path, cfg: "FinetuneConfig") -> Encoded:
-        from core.tokenizer import Tokenizer
-
-        return encode_split(Tokenizer.load(tok_dir), split, cfg.max_seq_len)
+        return encode_split(fast_tokenizer(tok_dir, cfg.max_seq_len), split, cfg.max_seq_len)
 
     def row_outputs(self, logits: "torch.Tensor", mask: "torch.Tensor") -> list[np.ndarray]:
-        # (B, num_labels): the class id, or the score of a regression head
-        pred = logits.argmax(-1) if logits.shape[-1] > 1 else logits[:, 0]
-        return list(pred.float().cpu().numpy())
+        # (B, num_labels) -> (B, 2): the class id and its probability; a regression head's (B, 1): its score
+        if logits.shape[-1] == 1:
+            return list(logits.float().cpu().numpy())
+        probs = logits.float().softmax(-1).max(-1)
+        return list(np.stack([probs.indices.float().cpu().numpy(), probs.values.cpu().numpy()], -1))
 
     def dev_metrics(self, task_kind: str, outputs: list[np.ndarray], dev: Encoded) -> dict[str, float]:
-        return compute_metrics(task_kind, np.asarray(outputs, dtype=np.float32), dev.label)
+        return compute_metrics(task_kind, np.asarray(outputs, dtype=np.float32)[:, 0], dev.label)
+
+    answer_columns = ("label", "score")
+
+    def encode_inputs(self, fast, columns: dict[str, list[str]], settings: dict[str, Any]) -> Encoded:
+        ids = encode_texts(fast, columns["sentence1"], columns.get("sentence2"), settings["max_seq_len"])
+        return Encoded(ids, np.zeros(len(ids)))
+
+    def answers(self, outputs: list[np.ndarray], rows: Encoded, settings: dict[str, Any]) -> list[dict[str, Any]]:
+        """Per row: the class name and its probability, or a regression head's score (no squashing)."""
+        if settings.get("problem_type") == "regression" or len(settings.get("id2label", {})) == 1:
+            return [{"score": float(o[0])} for o in outputs]
+        return [{"label": settings["id2label"][str(int(o[0]))], "score": float(o[1])} for o in outputs]
 
     def baseline(self, task: TaskRef) -> tuple[float, str]:
         return majority_baseline(task), "majority baseline" if task.kind == CLASSIFICATION else "train-mean baseline"

@@ -33,7 +33,7 @@ import numpy as np
 from core.errors import StageInputError
 from stages.finetune.kinds.base import (Encoded, TaskKind, TaskRef, check_stride, fast_tokenizer, make_task, split_file,
                                         task_name)
-from stages.finetune.kinds.squad_eval import exact_match, f1, find_best_thresh, get_raw_scores
+from stages.finetune.kinds.squad_eval import exact_match, f1, get_raw_scores
 
 if TYPE_CHECKING:
     import torch
@@ -139,6 +139,11 @@ def question_budget(max_len: int) -> int:
     return max_len // 2 - 2
 
 
+def context_room(max_len: int) -> int:
+    """Pieces of context a window holds at least: what the question leaves, less [CLS] and two [SEP]."""
+    return max_len - question_budget(max_len) - 3
+
+
 def encode_questions(fast, questions: tuple[QA, ...], max_len: int, stride: int):
     """(ids (N, T), context offsets (N, T, 2) with -1 outside the context, question of each row (N,))."""
     q_budget = question_budget(max_len)
@@ -193,21 +198,43 @@ def answer_chars(context: str, start: int, end: int) -> tuple[int, int]:
     return start, end
 
 
-def predict(outputs: list[np.ndarray], rows: SpanRows) -> tuple[dict[int, str], dict[int, float]]:
-    """Per question: the best span's text, and the no-answer score minus the best span's (higher: no answer)."""
-    texts: dict[int, str] = {}
-    best: dict[int, float] = {}
+def predict(outputs: list[np.ndarray], rows: SpanRows) -> tuple[dict[int, tuple[float, int, int]], dict[int, float]]:
+    """Per question: the best span over its windows as (score, first character, end character) in its context,
+    and the no-answer score minus the best span's (higher: no answer; inf where no span fits)."""
+    best: dict[int, tuple[float, int, int]] = {}
     null: dict[int, float] = {}
     for r, out in enumerate(outputs):  # out (2, T'): start and end logits
         q = int(rows.question[r])
         null[q] = min(null.get(q, np.inf), float(out[0, 0] + out[1, 0]))
         found = best_span(out[0], out[1], rows.offsets[r, :out.shape[1]], rows.max_answer_len)
-        if found is not None and found[0] > best.get(q, -np.inf):
-            best[q] = found[0]
+        if found is not None and found[0] > best.get(q, (-np.inf,))[0]:
             start, end = answer_chars(rows.contexts[q], rows.offsets[r, found[1], 0], rows.offsets[r, found[2], 1])
-            texts[q] = rows.contexts[q][start:end]
-    diff = {q: null[q] - best.get(q, -np.inf) for q in null}
-    return texts, diff
+            best[q] = (found[0], int(start), int(end))
+    diff = {q: null[q] - best[q][0] if q in best else np.inf for q in null}
+    return best, diff
+
+
+def null_threshold(diff: dict[int, float], gain: dict[int, float]) -> float:
+    """The no-answer threshold that scores best: question q is answered when diff[q] <= threshold.
+
+    gain[q]: what answering q adds to the score over not answering it (the official v2.0 script's walk: the
+    answer's F1 for an answerable question; -1 for an unanswerable one given an answer, 0 given none). Unlike
+    that script, whose scores are probabilities (>= 0, so its start at 0.0 means "never answer"), `diff` are logit
+    differences of any sign: the candidates are below every difference (never answer), between two distinct
+    differences (a group of equal ones is answered together) and above all of them (always answer); each is
+    returned as a value strictly between the groups it separates, the smallest of equal scores winning (as the
+    script's strict improvement does). A question with no span (inf) is never answered."""
+    values = sorted({d for d in diff.values() if np.isfinite(d)})
+    if not values:
+        return 0.0
+    total, best, best_at = 0.0, 0.0, -1  # -1: never answer
+    for i, v in enumerate(values):
+        total += sum(gain[q] for q, d in diff.items() if d == v)
+        if total > best:
+            best, best_at = total, i
+    if best_at < 0:
+        return values[0] - 1.0
+    return (values[best_at] + values[best_at + 1]) / 2 if best_at + 1 < len(values) else values[-1] + 1.0
 
 
 class SpanKind(TaskKind):
@@ -228,8 +255,11 @@ class SpanKind(TaskKind):
             files[split] = f
         return squad_task(task_name(path, meta), files, meta)
 
+    def check(self, cfg: "FinetuneConfig", task: TaskRef) -> None:
+        check_stride(cfg, context_room(cfg.max_seq_len))
+
     def encode(self, task: TaskRef, split: SpanSplit, tok_dir: Path, cfg: "FinetuneConfig") -> Encoded:
-        check_stride(cfg, cfg.max_seq_len - question_budget(cfg.max_seq_len) - 3)
+        self.check(cfg, task)
         fast = fast_tokenizer(tok_dir, cfg.max_seq_len)
         ids, offsets, question = encode_questions(fast, split.questions, cfg.max_seq_len, cfg.doc_stride)
         label = np.asarray([targets(offsets[r], split.questions[q].answers) for r, q in enumerate(question)],
@@ -243,8 +273,39 @@ class SpanKind(TaskKind):
 
     def dev_metrics(self, task_kind: str, outputs: list[np.ndarray], dev: Encoded) -> dict[str, float]:
         rows: SpanRows = dev.meta
-        texts, diff = predict(outputs, rows)
+        best, diff = predict(outputs, rows)
+        texts = {q: rows.contexts[q][a:b] for q, (_, a, b) in best.items()}
         return answer_metrics(rows.golds, texts, diff, rows.version)
+
+    answer_columns = ("answer", "score", "start", "end")
+
+    def encode_inputs(self, fast, columns: dict[str, list[str]], settings: dict[str, Any]) -> Encoded:
+        questions = tuple(QA(str(i), q, c, ()) for i, (q, c) in enumerate(zip(columns["question"],
+                                                                            columns["context"])))
+        ids, offsets, question = encode_questions(fast, questions, settings["max_seq_len"], settings["doc_stride"])
+        rows = SpanRows(question, offsets, tuple(() for _ in questions), tuple(qa.context for qa in questions),
+                        settings["squad_version"], settings["max_answer_len"])
+        return Encoded(ids, np.zeros(len(ids)), rows)
+
+    def hf_logits(self, out) -> "torch.Tensor":
+        import torch
+
+        return torch.stack([out.start_logits, out.end_logits], 1)  # (B, 2, T): the head's layout
+
+    def answers(self, outputs: list[np.ndarray], rows: Encoded, settings: dict[str, Any]) -> list[dict[str, Any]]:
+        """Per question: the best span (answer, its start + end score, character offsets into the context), or for
+        v2.0 no answer ("", the no-answer margin, -1, -1) when the margin is above the dev threshold."""
+        meta: SpanRows = rows.meta
+        best, diff = predict(outputs, meta)
+        threshold = settings.get("null_score_threshold")
+        out = []
+        for q, context in enumerate(meta.contexts):
+            if q not in best or (meta.version == "2.0" and threshold is not None and diff[q] > threshold):
+                out.append({"answer": "", "score": float(diff[q]), "start": -1, "end": -1})
+            else:
+                score, a, b = best[q]
+                out.append({"answer": context[a:b], "score": score, "start": a, "end": b})
+        return out
 
     def baseline(self, task: TaskRef) -> tuple[float, str]:
         texts = {}
@@ -253,13 +314,14 @@ class SpanKind(TaskKind):
             sentences = [s for s in re.split(r"(?<=[.!?])\s+", qa.context) if s]
             texts[i] = max(sentences, key=lambda s: len(words & set(_words(s))), default="")
         golds = tuple(tuple(t for t, _ in qa.answers) for qa in task.dev.questions)
-        # v2.0: one no-answer score for all, so the dev threshold picks the better of always and never answering
+        # v2.0: one no-answer margin for all, so the dev threshold picks the better of always and never answering
         scores = answer_metrics(golds, texts, {i: 0.0 for i in texts}, task.option("version"))
         return scores[task.metric], "the context sentence sharing most words with the question"
 
     def export_config(self, task: TaskRef, head: dict[str, Any]) -> dict[str, Any]:
         return {"squad_version": task.option("version"), "max_answer_len": head["max_answer_len"],
-                "doc_stride": head["doc_stride"], "null_score_threshold": head["trial"].get("dev_null_threshold")}
+                "doc_stride": head["doc_stride"],
+                "null_score_threshold": head["trial"].get("dev_null_threshold")}
 
     def input_example(self, task: TaskRef) -> dict[str, list[str]]:
         qs = task.dev.questions[:2]
@@ -272,25 +334,27 @@ def _words(text: str) -> list[str]:
 
 def answer_metrics(golds: tuple[tuple[str, ...], ...], texts: dict[int, str], diff: dict[int, float],
                    version: str) -> dict[str, float]:
-    """EM and F1 (the official scripts'); for v2.0 at the no-answer threshold that maximises F1 on these
-    questions (the v2.0 script's best threshold), with HasAns/NoAns at it and the threshold itself."""
+    """EM and F1 (the official scripts' per question) as fractions in [0, 1], the scale of every metric here; for
+    v2.0 at the no-answer threshold that maximises F1 on these questions (`null_threshold`), with HasAns/NoAns
+    at it and the threshold itself (the registered model answers with it)."""
     preds = {q: texts.get(q, "") for q in range(len(golds))}
     if version != "2.0":
-        return {"exact": 100.0 * float(np.mean([exact_match(preds[q], golds[q]) for q in preds])),
-                "f1": 100.0 * float(np.mean([f1(preds[q], golds[q]) for q in preds]))}
+        return {"exact": float(np.mean([exact_match(preds[q], golds[q]) for q in preds])),
+                "f1": float(np.mean([f1(preds[q], golds[q]) for q in preds]))}
     has_ans = {q: bool(golds[q]) for q in preds}
-    exact_raw, f1_raw = get_raw_scores({q: list(golds[q]) for q in preds}, preds)
+    _, f1_raw = get_raw_scores({q: list(golds[q]) for q in preds}, preds)
     na = {q: diff.get(q, np.inf) for q in preds}
-    _, thresh = find_best_thresh(preds, f1_raw, na, has_ans)
+    gain = {q: f1_raw[q] if has_ans[q] else (-1.0 if preds[q] else 0.0) for q in preds}
+    thresh = null_threshold(na, gain)
     final = {q: "" if na[q] > thresh else preds[q] for q in preds}
     exact_t, f1_t = get_raw_scores({q: list(golds[q]) for q in preds}, final)
-    out = {"exact": 100.0 * float(np.mean(list(exact_t.values()))), "f1": 100.0 * float(np.mean(list(f1_t.values()))),
+    out = {"exact": float(np.mean(list(exact_t.values()))), "f1": float(np.mean(list(f1_t.values()))),
            "null_threshold": float(thresh)}
     for name, keep in (("HasAns", True), ("NoAns", False)):
         qs = [q for q in preds if has_ans[q] == keep]
         if qs:
-            out[f"{name}_exact"] = 100.0 * float(np.mean([exact_t[q] for q in qs]))
-            out[f"{name}_f1"] = 100.0 * float(np.mean([f1_t[q] for q in qs]))
+            out[f"{name}_exact"] = float(np.mean([exact_t[q] for q in qs]))
+            out[f"{name}_f1"] = float(np.mean([f1_t[q] for q in qs]))
     return out
 
 

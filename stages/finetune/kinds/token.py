@@ -33,7 +33,7 @@ import numpy as np
 from core.errors import StageInputError
 from stages.finetune.kinds.base import (Encoded, TaskKind, TaskRef, check_stride, fast_tokenizer, first_record_keys,
                                         make_task, split_file, task_name)
-from stages.finetune.kinds.entities import entity_scores, infer_scheme
+from stages.finetune.kinds.entities import entity_scores, get_entities, infer_scheme
 
 if TYPE_CHECKING:
     import torch
@@ -104,6 +104,11 @@ def read_jsonl(path: Path, tag_field: str | None, labels: Sequence[str] | None) 
             raise StageInputError(f"{path} line {n} lacks 'tokens' or '{field}' (keys: {sorted(record)}); token "
                                   f"tasks need {{\"tokens\": [...], \"tags\": [...]}}")
         words, tags = [str(w) for w in record["tokens"]], list(record[field])
+        bad = next((w for w in words if words_of(w) != [(w, 0, len(w))]), None)
+        if bad is not None:
+            raise StageInputError(f"{path} line {n} has the token {bad!r}: a word is a run of non-whitespace "
+                                  f"characters (the registered model splits raw text on whitespace), so a token "
+                                  f"can be neither empty nor hold a space; split or drop it")
         if len(words) != len(tags):
             raise StageInputError(f"{path} line {n} has {len(words)} tokens but {len(tags)} tags; give one tag "
                                   f"per token")
@@ -185,6 +190,16 @@ BUILTINS: dict[str, Any] = {"wnut16-ner": wnut16}
 
 # ----------------------------------------------------------------------------------------------- features
 
+WORD = re.compile(r"\S+")
+
+
+def words_of(text: str) -> list[tuple[str, int, int]]:
+    """The words of raw text with their character spans: maximal runs of non-whitespace (`str.split`'s words,
+    whatever the whitespace between them: tabs, runs of spaces, newlines). The one rule from text to words, the
+    same as a CoNLL file's (a line's first whitespace-separated column) and a JSONL token's (checked on reading)."""
+    return [(m.group(), m.start(), m.end()) for m in WORD.finditer(text)]
+
+
 def encode_words(fast, words: Sequence[Sequence[str]], max_len: int, stride: int):
     """Windows of [CLS] pieces [SEP] over each sentence's words: (ids (N, T), word index per position (N, T) -1
     where none, sentence of each row (N,))."""
@@ -217,9 +232,12 @@ class TokenRows:
 
     sentence: np.ndarray  # (N,) the sentence of each row
     word_ids: np.ndarray  # (N, T) word index of each position, -1 for none
-    gold: tuple[tuple[int, ...], ...]  # tag ids per word per sentence
+    gold: tuple[tuple[int, ...], ...]  # tag ids per word per sentence (serving: () per sentence)
     labels: tuple[str, ...]
     scheme: str
+    n_words: tuple[int, ...] = ()  # words per sentence
+    spans: tuple[tuple[tuple[int, int], ...], ...] = ()  # serving: each word's characters in its text
+    texts: tuple[str, ...] = ()  # serving: the raw texts
 
 
 class TokenKind(TaskKind):
@@ -249,7 +267,7 @@ class TokenKind(TaskKind):
         return token_task(task_name(path, meta), sentences, str(path), meta, files)
 
     def encode(self, task: TaskRef, split: TokenSplit, tok_dir: Path, cfg: "FinetuneConfig") -> Encoded:
-        check_stride(cfg, cfg.max_seq_len - 2)
+        self.check(cfg, task)
         fast = fast_tokenizer(tok_dir, cfg.max_seq_len)
         ids, word_ids, sentence = encode_words(fast, split.words, cfg.max_seq_len, cfg.doc_stride)
         tags = [np.asarray(split.tags[s], dtype=np.int64) for s in sentence]
@@ -257,28 +275,64 @@ class TokenKind(TaskKind):
         first = first_pieces(word_ids)
         for r, row_tags in enumerate(tags):
             label[r, first[r]] = row_tags[word_ids[r, first[r]]]
-        return Encoded(ids, label, TokenRows(sentence, word_ids, split.tags, task.labels, task.option("scheme")))
+        return Encoded(ids, label, TokenRows(sentence, word_ids, split.tags, task.labels, task.option("scheme"),
+                                             tuple(len(w) for w in split.words)))
+
+    def check(self, cfg: "FinetuneConfig", task: TaskRef) -> None:
+        check_stride(cfg, cfg.max_seq_len - 2)
 
     def row_outputs(self, logits: "torch.Tensor", mask: "torch.Tensor") -> list[np.ndarray]:
-        return list(logits.argmax(-1).short().cpu().numpy())  # (B, T') tag ids
+        probs = logits.float().softmax(-1).max(-1)  # (B, T') each
+        return list(np.stack([probs.indices.float().cpu().numpy(), probs.values.cpu().numpy()], -1))  # (B, T', 2)
 
-    def merge(self, outputs: list[np.ndarray], rows: TokenRows) -> list[list[int]]:
-        """One predicted tag per word: from the row where the word's first piece has the most context."""
-        pred = [[0] * len(g) for g in rows.gold]
-        best = [[-2.0] * len(g) for g in rows.gold]
+    def merge(self, outputs: list[np.ndarray], rows: TokenRows) -> tuple[list[list[int]], list[list[float]]]:
+        """One predicted tag per word, and its probability: from the row where the word's first piece has the most
+        context."""
+        pred = [[0] * n for n in rows.n_words]
+        prob = [[0.0] * n for n in rows.n_words]
+        best = [[-2.0] * n for n in rows.n_words]
         first, context = first_pieces(rows.word_ids), max_context(rows.word_ids)
-        for r, out in enumerate(outputs):
+        for r, out in enumerate(outputs):  # out (T', 2): tag id, probability
             s = rows.sentence[r]
             for p in np.flatnonzero(first[r][:len(out)]):
                 w = rows.word_ids[r, p]
                 if context[r, p] > best[s][w]:
-                    best[s][w], pred[s][w] = context[r, p], int(out[p])
-        return pred
+                    best[s][w], pred[s][w], prob[s][w] = context[r, p], int(out[p, 0]), float(out[p, 1])
+        return pred, prob
 
     def dev_metrics(self, task_kind: str, outputs: list[np.ndarray], dev: Encoded) -> dict[str, float]:
         rows: TokenRows = dev.meta
-        pred = self.merge(outputs, rows)
+        pred, _ = self.merge(outputs, rows)
         return tag_metrics([list(g) for g in rows.gold], pred, rows.labels, rows.scheme)
+
+    answer_columns = ("entities",)
+
+    def encode_inputs(self, fast, columns: dict[str, list[str]], settings: dict[str, Any]) -> Encoded:
+        texts = columns["text"]
+        found = [words_of(t) for t in texts]
+        ids, word_ids, sentence = encode_words(fast, [[w for w, _, _ in ws] for ws in found],
+                                               settings["max_seq_len"], settings["doc_stride"])
+        labels = tuple(settings["id2label"][str(i)] for i in range(len(settings["id2label"])))
+        rows = TokenRows(sentence, word_ids, tuple(() for _ in texts), labels, settings.get("tag_scheme", ""),
+                         tuple(len(ws) for ws in found), tuple(tuple((a, b) for _, a, b in ws) for ws in found),
+                         tuple(texts))
+        return Encoded(ids, np.zeros(len(ids)), rows)
+
+    def answers(self, outputs: list[np.ndarray], rows: Encoded, settings: dict[str, Any]) -> list[dict[str, Any]]:
+        """Per text: its entities (the metric's own reading of the word tags, `entities.get_entities`), each the
+        words it covers: {entity_group, word, start, end, score}, text[start:end] == word, score the mean
+        probability of its words' tags."""
+        meta: TokenRows = rows.meta
+        pred, prob = self.merge(outputs, meta)
+        out = []
+        for s, (tags, probs) in enumerate(zip(pred, prob)):
+            entities = []
+            for type_, a, b in get_entities([meta.labels[t] for t in tags]):
+                start, end = meta.spans[s][a][0], meta.spans[s][b - 1][1]
+                entities.append({"entity_group": type_, "word": meta.texts[s][start:end], "start": start,
+                                 "end": end, "score": float(np.mean(probs[a:b]))})
+            out.append({"entities": entities})
+        return out
 
     def baseline(self, task: TaskRef) -> tuple[float, str]:
         counts: dict[str, Counter] = {}
@@ -294,6 +348,10 @@ class TokenKind(TaskKind):
 
     def input_example(self, task: TaskRef) -> dict[str, list[str]]:
         return {"text": [" ".join(words) for words in task.dev.words[:2]]}
+
+    def export_config(self, task: TaskRef, head: dict[str, Any]) -> dict[str, Any]:
+        return {"doc_stride": head["doc_stride"],
+                "tag_scheme": task.option("scheme")}
 
 
 def tag_metrics(gold: list[list[int]], pred: list[list[int]], labels: Sequence[str], scheme: str) -> dict[str, float]:
