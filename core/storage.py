@@ -36,12 +36,28 @@ _STORE_FIXES = (
 """Object-store failures a user can cause, by the words of pyarrow's error, and the fix to print."""
 
 
+CREDENTIAL_SOURCES = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_WEB_IDENTITY_TOKEN_FILE",
+                      "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI")
+"""Environment variables through which the AWS client finds credentials (besides ~/.aws/credentials)."""
+
+
+def credentials_missing() -> bool:
+    """True when nothing tells the AWS client where credentials are: none of CREDENTIAL_SOURCES and no
+    ~/.aws/credentials (an instance role is still possible, which is why this only adds a hint)."""
+    return not any(os.environ.get(v) for v in CREDENTIAL_SOURCES) and not Path("~/.aws/credentials").expanduser().exists()
+
+
 def store_fix(error: BaseException) -> str:
-    """The fix for an object-store error a user can cause, and what the store said (one line)."""
+    """The fix for an object-store error a user can cause, then what the store said: its whole first line (a cut
+    one loses the host name that tells a typo from a network fault)."""
     text = str(error)
     fix = next((f for words, f in _STORE_FIXES if any(w.lower() in text.lower() for w in words)),
                "check the URI, the credentials and the endpoint (AWS_* environment variables)")
-    return f"{fix} ({text.splitlines()[0][:200] if text else type(error).__name__})"
+    if credentials_missing():
+        fix = ("no AWS credentials are set (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE or "
+               f"~/.aws/credentials), so the store was asked anonymously; set them, and {fix}")
+    said = " ".join(text.split("\n")[0].split()) if text else type(error).__name__
+    return f"{fix} (the store said: {said})"
 
 
 def check_writable(uri: str) -> None:

@@ -63,6 +63,48 @@ def _lineage_inputs(refs: dict[str, Any]) -> dict[str, tuple[str, str, str]]:
     return out
 
 
+@dataclass(frozen=True)
+class ClusterFit:
+    """What the Ray cluster this run would use is known to lack, before Ray starts."""
+
+    line: str
+    """The plan's line about the cluster (`--dry-run` prints it)."""
+    lacks: str = ""
+    """Empty, or what is missing and the fix (a real run refuses with it before starting Ray)."""
+
+
+def local_gpus() -> int:
+    """GPUs a local Ray started here would see (Ray's own detection: NVML, CUDA_VISIBLE_DEVICES), without Ray."""
+    from ray._private.accelerators import get_accelerator_manager_for_resource
+
+    manager = get_accelerator_manager_for_resource("GPU")
+    visible = manager.get_current_process_visible_accelerator_ids()
+    count = manager.get_current_node_num_accelerators()
+    return count if visible is None else min(count, len(visible))
+
+
+def cluster_fit(cfg: PipelineConfig, stages: list[str]) -> ClusterFit:
+    """`check_cluster` against the local Ray this run would start (ray.num_cpus or this machine's CPUs, its GPUs),
+    before anything starts; a cluster the run joins (RAY_ADDRESS, `ray job submit`) is checked once joined."""
+    import os
+
+    import ray
+
+    if os.environ.get("RAY_ADDRESS") or ray.is_initialized():
+        where = os.environ.get("RAY_ADDRESS") or "the Ray this process already joined"
+        return ClusterFit(f"cluster: joining {where}; its CPUs and GPUs are checked once joined")
+    cpus, gpus = cfg.ray.num_cpus or os.cpu_count() or 1, local_gpus()
+    line = (f"cluster: a local Ray on this machine: {cpus} CPUs"
+            f"{' (ray.num_cpus)' if cfg.ray.num_cpus else ''}, {gpus} GPUs")
+    try:
+        check_cluster(cfg, stages, cpus=cpus, gpus=gpus)
+    except ConfigError as e:
+        lacks = (f"{e} (a local Ray on this machine; to use a GPU cluster, run under `ray job submit` or set "
+                 f"RAY_ADDRESS)")
+        return ClusterFit(f"{line}; it lacks what this plan needs: {lacks}", lacks)
+    return ClusterFit(line)
+
+
 def _connect_ray(cfg: PipelineConfig, runs: list[PlannedStage], store: ArtifactStore) -> None:
     """Connect, then check the config against the live cluster (the one place CPUs and GPUs are checked), and that
     every node reaches the local side of an object-store workdir when a stage's tasks need it (`_check_local_dir`).

@@ -33,6 +33,14 @@ class StageSpec:
     check: Callable[..., None] | None = None
     """Optional `check(first_section, *, other_sections...)`: the stage's rules across its sections, beside
     `validate` (stages/base.py)."""
+    check_inputs: Callable[..., list[str]] | None = None
+    """Optional `check_inputs(first_section, *, other_sections..., listing, planned) -> warnings`: what the stage can
+    tell from its settings and the external inputs as listed before Ray starts (`listing`: {"raw": RawCorpus, ...};
+    file names, sizes), called by `--dry-run` and the real run alike for the planned stages: StageInputError for a
+    run that cannot succeed, warnings for one that probably disappoints."""
+    dry_run_reads: tuple[str, ...] = ()
+    """Config sections `dry_run` reads besides the stage's own, by name (the pretrain plan reads the sequence length
+    tokenize will write); never hashed into the artifact id."""
     prepare: Callable[..., Prepared] | None = None
     """Optional `prepare(first_section, *, other_sections..., planned, workdir, overrides) -> Prepared`: what the
     stage's settings bring in from outside, resolved before Ray starts (stages/base.py)."""
@@ -43,14 +51,16 @@ class StageSpec:
 
 STAGES: tuple[StageSpec, ...] = (
     StageSpec("corpus", corpus.run, corpus.VERSION, ("corpus",), ("raw",),
-              "exact + MinHash-LSH dedup, Parquet shards, 5% validation split (Ray Data)", tasks_use_paths=True),
+              "exact + MinHash-LSH dedup, Parquet shards, 5% validation split (Ray Data)", corpus.dry_run,
+              check_inputs=corpus.check_inputs, tasks_use_paths=True),
     StageSpec("vocab", vocab.run, vocab.VERSION, ("vocab",), ("corpus",),
-              "SentencePiece vocabulary with fixed special-token ids"),
+              "SentencePiece vocabulary with fixed special-token ids", check_inputs=vocab.check_inputs),
     StageSpec("tokenize", tokenize.run, tokenize.VERSION, ("tokenize",), ("corpus", "vocab"),
-              "packed uint32 token sequences in Parquet shards (Ray Data)", tasks_use_paths=True),
+              "packed [CLS] ... [SEP] uint32 sequences in memory-mapped Arrow shards (Ray tasks)",
+              tasks_use_paths=True),
     StageSpec("pretrain", pretrain.run, pretrain.VERSION, ("pretrain", "model"), ("tokenize", "vocab", "corpus"),
-              "DeBERTa MLM + EMD pretraining, Ray Train + DeepSpeed ZeRO, MLflow registry", pretrain.dry_run,
-              check=pretrain.check_config, prepare=pretrain.prepare),
+              "DeBERTa MLM + EMD or DeBERTaV3 RTD, Ray Train + DeepSpeed ZeRO, MLflow registry", pretrain.dry_run,
+              check=pretrain.check_config, prepare=pretrain.prepare, dry_run_reads=("tokenize",)),
     StageSpec("finetune", finetune.run, finetune.VERSION, ("finetune", "model"), ("pretrain", "vocab", "task"),
               "Ray Tune sweep over the Table 9 grid (+SiFT), champion in the MLflow registry", finetune.dry_run),
 )
@@ -105,6 +115,10 @@ def make_plan(cfg: PipelineConfig, store: ArtifactStore, external_ids: dict[str,
     unknown = sorted(set(force) - set(STAGE_NAMES))
     if unknown:
         raise ValueError(f"--force {unknown[0]}: unknown stage; stages are {', '.join(STAGE_NAMES)}")
+    # A forced stage outside the plan would be silently ignored (pipeline.run refuses it with the fix first).
+    outside = [f for f in force if f not in (s.name for s in stages_until(only or until))]
+    if outside:
+        raise ValueError(f"--force {outside[0]}: not in this plan; drop it or plan through {outside[0]}")
     ids = {**external_ids, **{name: obj.id for name, obj in prepared.objects.items()}}
     plan = []
     from_checkpoint = "pretrain" in external_ids  # finetune.init: fine-tune that checkpoint, nothing else

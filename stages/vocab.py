@@ -207,6 +207,41 @@ def copy_tokenizer(checkpoint, out: Path) -> StageResult:
                        summary={"vocab": f"from {checkpoint.source}: {tok.vocab_size} pieces + [MASK]={tok.mask_id}"})
 
 
+BYTE_PIECES = 256 + 4
+"""Pieces a vocabulary has whatever the text: the byte-fallback pieces and [PAD] [CLS] [SEP] [UNK]."""
+MAX_PIECE_CHARS = 16
+"""SentencePiece's longest piece (`max_sentencepiece_length`): an n-byte text has at most 16 n distinct pieces."""
+
+
+def supported_pieces(text_bytes: int) -> tuple[int, int]:
+    """(certain, likely) upper bounds on the pieces SentencePiece can find in `text_bytes` of text: every piece is
+    a substring of at most MAX_PIECE_CHARS; and what it found in the built-in news text (2 kB: 533, 8 kB: 633,
+    32 kB: 1,742, 128 kB: 3,166, 512 kB: 6,149 pieces), which 300 + 10 sqrt(bytes) stays above."""
+    return BYTE_PIECES + MAX_PIECE_CHARS * text_bytes, 300 + int(10 * text_bytes ** 0.5)
+
+
+def check_inputs(cfg: VocabConfig, *, listing: dict, planned: frozenset[str]) -> list[str]:
+    """Before Ray starts: a vocabulary larger than the raw corpus's text can hold is refused (SentencePiece would
+    fail after the corpus stage), one it probably cannot fill is warned of. Only for plain-text corpora, whose
+    listed sizes are their text's."""
+    from stages.corpus.listing import text_bytes
+
+    raw = listing.get("raw")
+    size = text_bytes(raw) if raw is not None else None
+    if size is None:
+        return []
+    certain, likely = supported_pieces(size)
+    if cfg.vocab_size > certain:
+        raise StageInputError(f"vocab.vocab_size={cfg.vocab_size} pieces cannot be found in a corpus of {size:,} "
+                              f"bytes of text (at most {certain:,}); add text, or lower vocab.vocab_size (and "
+                              f"model.vocab_size with it)")
+    if cfg.vocab_size > likely:
+        return [f"vocab.vocab_size={cfg.vocab_size}: a corpus of {size:,} bytes of text probably supports about "
+                f"{likely:,} pieces (SentencePiece on news text of that size), and the vocab stage would then fail; "
+                f"add text or lower vocab.vocab_size"]
+    return []
+
+
 def run(cfg: VocabConfig, *, inputs: dict[str, Artifact], out: Path, ctx: StageContext) -> StageResult:
     if "corpus" not in inputs:  # a checkpoint's directory: its tokenizer, copied
         (checkpoint,) = inputs.values()

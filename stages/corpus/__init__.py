@@ -46,6 +46,7 @@ from core.errors import StageInputError
 from stages.base import StageContext, StageResult
 from stages.corpus import by_source, dedup, exchange, ingest, report, shard
 from stages.corpus.ingest import doc_id, list_sources, read_file
+from stages.corpus.listing import check_inputs, dry_run
 from stages.corpus.minhash import MinHasher, lsh_params
 from stages.corpus.shard import is_validation
 
@@ -54,7 +55,8 @@ from core.corpus_sources import CorpusSource
 if TYPE_CHECKING:
     from core.config import CorpusConfig
 
-__all__ = ["VERSION", "RawCorpus", "Source", "list_sources", "read_file", "doc_id", "is_validation", "run"]
+__all__ = ["VERSION", "RawCorpus", "Source", "check_inputs", "dry_run", "list_sources", "read_file", "doc_id",
+           "is_validation", "run"]
 
 VERSION = "4"
 

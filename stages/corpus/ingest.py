@@ -157,6 +157,23 @@ def _uri_path_pattern(pattern: str) -> str:
     return rest if scheme == "file" else rest.lstrip("/")
 
 
+def _no_files(pattern: str) -> str:
+    """Why `pattern` lists no files, in its own terms: an empty directory, one holding only hidden files, a glob
+    matching nothing (the shell may have expanded it), or a path that does not exist."""
+    local = os.path.expanduser(pattern)
+    if not _is_uri(pattern) and not _has_magic(pattern) and os.path.isdir(local):
+        hidden = [n for n in os.listdir(local) if _hidden(n)]
+        what = (f"holds only hidden files ({', '.join(sorted(hidden)[:3])}), which are skipped" if hidden
+                else "is empty")
+        return f"corpus directory {pattern!r} {what}; put the text files in it, or pass --corpus PATH to them"
+    if _has_magic(pattern):
+        return (f"corpus glob {pattern!r} matches no files; check the pattern, and quote it so the shell does not "
+                f"expand it (e.g. --corpus 'DIR/**/*.jsonl')")
+    if not _is_uri(pattern):
+        return f"corpus path {pattern!r} does not exist; check the path"
+    return f"corpus path {pattern!r} matches no files; check the URI"
+
+
 def list_sources(patterns: Sequence[str]) -> list[tuple[str, int, int]]:
     """Expand files, directories (recursive), globs (`**` included) and pyarrow.fs URIs.
 
@@ -181,9 +198,7 @@ def list_sources(patterns: Sequence[str]) -> list[tuple[str, int, int]]:
         else:
             entries = []
         if not entries:
-            raise StageInputError(
-                f"corpus path {pattern!r} matches no files; check the path, and quote globs so the shell "
-                f"does not expand them (e.g. --corpus 'DIR/**/*.jsonl')")
+            raise StageInputError(_no_files(pattern))
         for path, size, mtime in entries:
             found[path] = (size, mtime)
     return [(p, s, m) for p, (s, m) in sorted(found.items())]
