@@ -65,5 +65,5 @@ def test_a_workdir_that_cannot_be_created_is_named(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert main(["--workdir", str(tmp_path / "file" / "wd"), "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"error: workdir {tmp_path / 'file' / 'wd'} is not writable (") and err.endswith(
-        "); pass --workdir DIR you can write to"), err
+    assert err == (f"error: workdir {tmp_path / 'file' / 'wd'} cannot be created: {tmp_path / 'file'} is a file, not a "
+                   f"directory (Not a directory); pass --workdir DIR you can write to"), err

@@ -146,7 +146,7 @@ def test_second_invocation_is_a_no_op(two_runs, mlflow_server):
     (["--set", "pretrain.max_steps=ten"], "pretrain.max_steps=ten: expected int"),
     (["--set", "pretrain.bogus=1"], "unknown key 'bogus' in [pretrain]"),
     (["--corpus", "/nonexistent/corpus/*.txt"], "/nonexistent/corpus"),
-    (["--workdir", "/proc/not-writable"], "is not writable"),
+    (["--workdir", "/proc/not-writable"], "cannot be created: /proc is on the kernel's proc file system"),
     # bounds the stages enforce, refused before the first stage
     (["--set", "tokenize.max_seq_len=2"], "tokenize.max_seq_len=2: needs room for [CLS]"),
     (["--set", "finetune.max_seq_len=4096"], "finetune.max_seq_len=4096 exceeds model.max_position_embeddings"),
