@@ -296,8 +296,6 @@ class PretrainConfig(Section):
         _check(self.placement_strategy in PLACEMENTS,
                f"pretrain.placement_strategy={self.placement_strategy!r}: use one of {', '.join(PLACEMENTS)}")
         _check(self.precision in PRECISIONS, f"pretrain.precision={self.precision!r}: use one of {', '.join(PRECISIONS)}")
-        _check(not (self.use_gpu and self.precision == "fp32"),
-               "pretrain.precision=fp32 with pretrain.use_gpu=true: GPUs train in DeepSpeed's bf16; use auto or bf16")
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ def debug() -> PipelineConfig:
                                 warmup_steps=50, max_steps=800, eval_interval=200, eval_batches=8,
                                 ckpt_interval=200, log_interval=50),
         finetune=FinetuneConfig(task="rotten-tomatoes", dropout=(0.0, 0.1), warmup_steps=(50,),
-                                lr=(1e-3, 2e-3), batch_size=(32,), epochs=3, max_seq_len=64,
+                                lr=(1e-3, 2e-3), batch_size=(32,), epochs=3, max_seq_len=64, doc_stride=16,
                                 max_train_examples=2_000, max_concurrent_trials=2),
         # Ray CPUs are scheduling slots: the 2 training workers hold one each for the whole run,
         # and the Ray Data tasks streaming their shards need slots of their own.

@@ -1,8 +1,9 @@
 """The one place a DeepSpeed config is built, for pretraining (`PretrainConfig`) and a fine-tuning trial.
 
 `DeepSpeedConfig` is typed; `to_dict()` writes the JSON DeepSpeed reads and nothing reads it back. Only DeepSpeed's
-own settings live here: ZeRO stage, precision (bf16 on GPU, fp32 on CPU, where gloo has no bf16 all-reduce worth
-having), the batch arithmetic and clipping. The optimizer and the schedule are client objects built by
+own settings live here: ZeRO stage, precision (DeepSpeed's bf16 on GPU when the run's precision resolves to bf16
+(`training.precision.deepspeed_bf16`); fp32 on CPU, where gloo has no bf16 all-reduce worth having), the batch
+arithmetic and clipping. The optimizer and the schedule are client objects built by
 `training.engine` (DeepSpeed's own Adam JIT-compiles a C++/CUDA op for minutes; its `WarmupDecayLR` is off by two
 steps against the reference linear schedule), so the JSON has no "optimizer" or "scheduler" section and allows ZeRO
 with an "untested" optimizer. Inputs are valid: `core.config.validate` checked them.
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from core.config import PretrainConfig, pretrain_accumulation
+from training.precision import deepspeed_bf16
 
 QUIET_STEPS = 10**9
 """DeepSpeed prints its own progress every `steps_per_print`; the training loop prints ours instead."""
@@ -35,7 +37,9 @@ class DeepSpeedConfig:
     zero_stage: int
     """ZeRO 0 (plain data parallel), 1 (optimizer states sharded), 2 (+ gradients), 3 (+ parameters)."""
     use_gpu: bool
-    """bf16 on GPU (NCCL); fp32 on CPU (gloo)."""
+    """GPUs (NCCL) or CPUs (gloo)."""
+    bf16: bool = False
+    """DeepSpeed's bf16 mode (`training.precision.deepspeed_bf16`: the run's precision decides, nothing else)."""
     zero_options: Mapping[str, Any] = field(default_factory=dict)
     """Extra `zero_optimization` settings (tests size DeepSpeed's buffers for a CPU with them)."""
 
@@ -67,7 +71,7 @@ class DeepSpeedConfig:
             "gradient_clipping": self.grad_clip,
             "zero_optimization": zero,
             "zero_allow_untested_optimizer": True,  # the client torch AdamW
-            "bf16": {"enabled": bool(self.use_gpu)},
+            "bf16": {"enabled": bool(self.bf16)},
             "fp16": {"enabled": False},
             "steps_per_print": QUIET_STEPS,
             "wall_clock_breakdown": False,
@@ -77,11 +81,12 @@ class DeepSpeedConfig:
 def build_deepspeed_config(cfg: PretrainConfig, world_size: int, use_gpu: bool) -> DeepSpeedConfig:
     """The pretraining engine on `world_size` workers."""
     return DeepSpeedConfig(cfg.train_batch_size, cfg.micro_batch_size, pretrain_accumulation(cfg, world_size),
-                           cfg.grad_clip, cfg.zero_stage, use_gpu)
+                           cfg.grad_clip, cfg.zero_stage, use_gpu, deepspeed_bf16(cfg.precision, use_gpu))
 
 
 def build_finetune_config(grad_clip: float, zero_stage: int, use_gpu: bool, batch_size: int,
-                          world_size: int) -> DeepSpeedConfig:
+                          world_size: int, precision: str = "auto") -> DeepSpeedConfig:
     """One fine-tuning trial: `batch_size` examples per step split evenly over the workers
     (`check_finetune_trainer` made sure every grid batch size divides)."""
-    return DeepSpeedConfig(batch_size, batch_size // world_size, 1, grad_clip, zero_stage, use_gpu)
+    return DeepSpeedConfig(batch_size, batch_size // world_size, 1, grad_clip, zero_stage, use_gpu,
+                           deepspeed_bf16(precision, use_gpu))

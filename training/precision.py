@@ -30,6 +30,12 @@ def resolve(asked: str, use_gpu: bool, hidden_size: int) -> str:
     return "bf16" if cpu_has_bf16() and hidden_size >= AUTO_CPU_MIN_HIDDEN else "fp32"
 
 
+def deepspeed_bf16(asked: str, use_gpu: bool) -> bool:
+    """Whether DeepSpeed's own bf16 mode is on: on GPU exactly when the run resolves to bf16 ("auto" does there);
+    on CPU never (bf16 there is `torch.autocast` over fp32 DeepSpeed, `autocast_dtype`)."""
+    return use_gpu and resolve(asked, use_gpu, AUTO_CPU_MIN_HIDDEN) == "bf16"
+
+
 def autocast_dtype(precision: str, use_gpu: bool, deepspeed: bool) -> torch.dtype | None:
     """The dtype the engine autocasts its forward pass to, or None: on GPU under DeepSpeed the bf16 optimizer holds
     bf16 weights itself, so no autocast is needed there."""

@@ -33,6 +33,18 @@ def test_batch_arithmetic_precision_and_no_scheduler_section():
     assert gpu["bf16"]["enabled"] is True and gpu["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"]
 
 
+def test_deepspeed_bf16_follows_the_precision_asked():
+    """Precision is decided once (`training.precision`): on GPU DeepSpeed's bf16 mode is on for auto and bf16 and
+    off for fp32 (never switched on because a GPU is there); on CPU it is off (bf16 there is autocast)."""
+    from training.deepspeed_config import build_finetune_config
+
+    for asked, want in (("auto", True), ("bf16", True), ("fp32", False)):
+        pre = build_deepspeed_config(dataclasses.replace(CFG, precision=asked), 2, use_gpu=True).to_dict()
+        ft = build_finetune_config(1.0, 2, True, 32, 2, precision=asked).to_dict()
+        assert pre["bf16"]["enabled"] is ft["bf16"]["enabled"] is want, asked
+        assert build_finetune_config(1.0, 2, False, 32, 2, precision=asked).to_dict()["bf16"]["enabled"] is False
+
+
 def test_paper_preset_is_2048_sequences_exactly():
     p = deberta_1_5b().pretrain
     ds = build_deepspeed_config(p, p.num_workers, use_gpu=True).to_dict()

@@ -12,10 +12,12 @@ is not wholly inside the window. Head: start and end logits (`deberta.heads.Debe
 Span search (BERT's run_squad.py): over each question's windows, the best start + end score with start <= end,
 both in the context, at most `max_answer_len` pieces, among the 20 best starts and ends; for v2.0 the no-answer
 score is the smallest [CLS] start + end score over the windows, and "no answer" is predicted when it beats the
-best span by more than a threshold chosen on dev (the official v2.0 script's best threshold).
-Metrics: exact match and F1 as the official SQuAD scripts compute them (`squad_eval.py`), with HasAns/NoAns for
-v2.0. Baseline: the context sentence sharing most words with the question (a sliding-window baseline's simplest
-form; Rajpurkar et al. 2016 §5), for v2.0 or no answer at all, whichever scores better on dev.
+best span by more than a threshold chosen on dev (`null_threshold`: the official v2.0 script's search, over
+logit differences rather than probabilities).
+Metrics: exact match and F1 per question as the official SQuAD scripts compute them (`squad_eval.py`), averaged
+as fractions (the scripts print percentages), with HasAns/NoAns for v2.0. Baseline: the context sentence sharing
+most words with the question (a sliding-window baseline's simplest form; Rajpurkar et al. 2016 §5), for v2.0 that
+or no answer at all, whichever scores better on dev.
 The registered model reads `question` and `context` and answers `answer`, `score`, `start`, `end` (character
 offsets into the context; an empty answer for "no answer").
 """

@@ -1,0 +1,44 @@
+"""What a task kind needs of the settings is checked before Ray starts, by `--dry-run` as by the real run
+(`TaskKind.check`, called where the task is resolved), and every preset's defaults satisfy every kind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from core.datasets import site_packages_file
+from pipeline.presets import PRESETS
+from stages.finetune.kinds import KINDS
+from tests.conftest import pipeline_main
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_kind_runs_on_every_preset_defaults(preset):
+    cfg = PRESETS[preset]().finetune
+    for kind in KINDS.values():
+        kind.check(cfg, None)  # raises StageInputError naming the setting where a window could not advance
+
+
+@pytest.fixture
+def squad_dir(tmp_path) -> Path:
+    """A SQuAD v1.1 task from the real records allennlp's test fixtures ship (two Notre Dame paragraphs)."""
+    doc = json.loads(site_packages_file("allennlp/tests/fixtures/data/squad.json").read_text())
+    paragraphs = [p for article in doc["data"] for p in article["paragraphs"]]
+    d = tmp_path / "squad"
+    d.mkdir()
+    for split, ps in (("train", paragraphs[:1]), ("dev", paragraphs[1:])):
+        (d / f"{split}.json").write_text(json.dumps({"version": "1.1", "data": [{"title": "t", "paragraphs": ps}]}))
+    return d
+
+
+def test_a_span_task_is_planned_on_the_default_preset_and_a_stride_that_cannot_advance_is_refused(squad_dir,
+                                                                                                   tmp_path):
+    ok = pipeline_main(["--dry-run", "--workdir", str(tmp_path / "wd"), "--set", f"finetune.task={squad_dir}"])
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    bad = pipeline_main(["--dry-run", "--workdir", str(tmp_path / "wd"), "--set", f"finetune.task={squad_dir}",
+                         "--set", "finetune.doc_stride=31"])
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1].startswith("error: finetune.doc_stride=31 leaves windows of "
+                                                          "max_seq_len=64 no room to advance"), bad.stderr[-2000:]
