@@ -32,6 +32,15 @@ from stages.finetune.tasks import resolve_task
 from tests.integration.test_finetune import _context, _plain_transformers_directory
 
 REPO = Path(__file__).resolve().parents[2]
+FRESH_PROCESS = """
+import json, sys
+import mlflow, pandas as pd
+mlflow.set_tracking_uri(sys.argv[1])
+model = mlflow.pyfunc.load_model("models:/deberta-debug-tweet-names@champion")
+found = model.predict(pd.DataFrame({"text": [sys.argv[2]]}))
+import stages.finetune.kinds.token as kind
+print(kind.__file__, "ray" in sys.modules, json.dumps(found["entities"][0]), sep="\\n")
+"""
 FIXTURES = "allennlp/tests/fixtures/data"
 SEQ = 48
 
@@ -89,6 +98,32 @@ def wnut_conll(tmp_path_factory) -> Path:
         lines = ["-DOCSTART- O", ""]
         for ws, ts in zip(words, tags):
             lines += [f"{w}\t{task.labels[t]}" for w, t in zip(ws, ts)] + [""]
+        (d / f"{name}.conll").write_text("\n".join(lines))
+    return d
+
+
+@pytest.fixture(scope="module")
+def tweet_names_conll(tmp_path_factory) -> Path:
+    """The same 400 + 120 WNUT-2016 tweets tagged by a rule a tiny model learns in two epochs (dev entity F1
+    about 0.7 where WNUT's own tags stay at 0 at this size): a word starting with @ or # followed by a letter or
+    digit is a one-word `handle`; a run of words starting with an upper-case letter is a `cap` entity (B-cap
+    I-cap ...). Real text, tags by construction: it gives the served-is-measured check entities to compare,
+    including multi-word ones."""
+    import re
+
+    task = resolve_task("wnut16-ner")
+    d = tmp_path_factory.mktemp("tweets") / "tweet-names"
+    d.mkdir()
+    for name, sentences in (("train", task.train.words[:400]), ("dev", task.dev.words[:120])):
+        lines = []
+        for words in sentences:
+            prev = "O"
+            for w in words:
+                tag = ("B-handle" if re.match(r"[@#]\w", w) else
+                       ("I-cap" if prev.endswith("-cap") else "B-cap") if w[:1].isupper() else "O")
+                lines.append(f"{w}\t{tag}")
+                prev = tag
+            lines.append("")
         (d / f"{name}.conll").write_text("\n".join(lines))
     return d
 
@@ -223,6 +258,46 @@ def test_token_windows_label_first_pieces_and_merge_by_most_context(tiny_pretrai
     assert scores == {"f1": 1.0, "precision": 1.0, "recall": 1.0, "accuracy": 1.0}
 
 
+def test_entities_of_raw_text_are_whole_words_whatever_the_whitespace(tiny_pretrained, wnut_conll, tmp_path):
+    """Real tweets written back as raw text with irregular whitespace (tabs, runs of spaces, newlines) through the
+    registered model's path (`encode_inputs` -> `answers`), with outputs tagging words in pairs (B- on even words,
+    I- on odd): every entity is exactly its two words, text[start:end] is their characters, none is empty, and
+    windows (doc_stride 8 in 48 pieces) merge back into one tag per word."""
+    pre, _ = tiny_pretrained
+    task = resolve_task(str(wnut_conll))
+    rng = np.random.default_rng(0)
+    texts, spans = [], []
+    for words in task.dev.words[:60]:
+        text, where = rng.choice([" ", "\n", "\t "]), []
+        for w in words:
+            where.append((len(text), len(text) + len(w)))
+            text += w + str(rng.choice([" ", "  ", "\t", "\n", " \n\t ", "\u00a0"]))
+        texts.append(text)
+        spans.append(where)
+    kind = kind_of("token")
+    from transformers import AutoTokenizer
+
+    from deberta import hf
+
+    fast = AutoTokenizer.from_pretrained(hf.save_tokenizer(pre.path / "tokenizer", tmp_path / "tok", SEQ))
+    labels = task.labels
+    settings = {"max_seq_len": SEQ, "doc_stride": 8, "id2label": {str(i): t for i, t in enumerate(labels)}}
+    rows = kind.encode_inputs(fast, {"text": texts}, settings)
+    assert len(rows) > len(texts)  # some tweets need more than one window
+    b, i = labels.index("B-person"), labels.index("I-person")
+    first = token.first_pieces(rows.meta.word_ids)
+    outputs = [np.stack([np.where(first[r] & (rows.meta.word_ids[r] % 2 == 1), i, b), np.full(len(first[r]), 0.5)],
+                        -1) for r in range(len(rows))]
+    answers = kind.answers(outputs, rows, settings)
+    for text, where, answer in zip(texts, spans, answers):
+        want = [(where[k][0], where[min(k + 1, len(where) - 1)][1]) for k in range(0, len(where), 2)]
+        got = [(e["start"], e["end"]) for e in answer["entities"]]
+        assert got == want, (text, got, want)
+        for e in answer["entities"]:
+            assert e["word"] == text[e["start"]:e["end"]] and e["word"].strip() == e["word"] != ""
+            assert e["entity_group"] == "person" and e["score"] == pytest.approx(0.5)
+
+
 def test_span_windows_target_the_answer_and_the_search_finds_it(tiny_pretrained, squad_dirs):
     """Long Quoref contexts cut into windows of 48 pieces: a window's target covers its answer's characters or is
     [CLS]; logits peaked at the targets give every answer back, no answer for the unanswerable questions, and
@@ -276,7 +351,7 @@ def _tracker(mlflow_server, monkeypatch, tmp_path, name):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_token_sweep_on_deepspeed_with_sift_registers_a_tagger_of_raw_text(tiny_pretrained, ray_local, mlflow_server,
-                                                                           wnut_conll, tmp_path, monkeypatch):
+                                                                           tweet_names_conll, tmp_path, monkeypatch):
     """A CoNLL task through the shared sweep on a DeepSpeed ZeRO-2 trial with SiFT: the champion's dev F1 is the
     one its saved weights score, the HF export is a DebertaV2ForTokenClassification with equal logits, and the
     registered MLflow Model tags raw text with character offsets."""
@@ -285,7 +360,7 @@ def test_token_sweep_on_deepspeed_with_sift_registers_a_tagger_of_raw_text(tiny_
     from transformers import AutoModelForTokenClassification
 
     tracker = _tracker(mlflow_server, monkeypatch, tmp_path, "token-sweep")
-    cfg = FinetuneConfig(task=str(wnut_conll), dropout=(0.0,), warmup_steps=(5,), lr=(3e-3,), batch_size=(32,),
+    cfg = FinetuneConfig(task=str(tweet_names_conll), dropout=(0.0,), warmup_steps=(5,), lr=(3e-3,), batch_size=(32,),
                          epochs=2, max_seq_len=SEQ, doc_stride=8, max_concurrent_trials=1, trainer="deepspeed",
                          workers_per_trial=1, zero_stage=2, sift=True)
     pre, vocab = tiny_pretrained
@@ -318,7 +393,7 @@ def test_token_sweep_on_deepspeed_with_sift_registers_a_tagger_of_raw_text(tiny_
     # served is measured: the registry version tags the dev sentences as raw text (words joined by spaces), its
     # entities are whole words, and read back as word tags they score exactly the entity F1 the sweep logged
     mlflow.set_tracking_uri(mlflow_server)
-    loaded = mlflow.pyfunc.load_model("models:/deberta-debug-wnut-small@champion")
+    loaded = mlflow.pyfunc.load_model("models:/deberta-debug-tweet-names@champion")
     texts = [" ".join(words) for words in task.dev.words]
     predicted = loaded.predict(pd.DataFrame({"text": texts}))
     assert len(predicted) == len(texts)
@@ -336,9 +411,18 @@ def test_token_sweep_on_deepspeed_with_sift_registers_a_tagger_of_raw_text(tiny_
         served.append(tags)
     assert sum(t != "O" for tags in served for t in tags) > 0, "no entity served: nothing was compared"
     gold = [[task.labels[t] for t in tags] for tags in task.dev.tags]
-    logged = float(mlflow.MlflowClient().get_model_version_by_alias("deberta-debug-wnut-small", "champion").tags["dev_f1"])
+    logged = float(mlflow.MlflowClient().get_model_version_by_alias("deberta-debug-tweet-names", "champion").tags["dev_f1"])
     assert entity_scores(gold, served)["f1"] == pytest.approx(result.metrics["best_dev_f1"], rel=1e-12)
     assert result.metrics["best_dev_f1"] == pytest.approx(logged, abs=1e-6)
+    # ... and in a fresh process the kinds' code comes from the model itself (MLflow code_paths), Ray stays out
+    probe = subprocess.run([sys.executable, "-c", FRESH_PROCESS, mlflow_server, texts[0]], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    kinds_file, ray_loaded, entities = probe.stdout.strip().splitlines()[-3:]
+    assert "/code/stages/finetune/kinds/token.py" in kinds_file and not kinds_file.startswith(str(REPO))
+    assert ray_loaded == "False"
+    assert [(e["entity_group"], e["start"], e["end"]) for e in json.loads(entities)] == \
+        [(e["entity_group"], e["start"], e["end"]) for e in predicted["entities"][0]]
 
 
 @pytest.mark.ray
