@@ -18,7 +18,7 @@ from stages.corpus.ingest import COMPRESSION, FORMATS, file_kind
 
 if TYPE_CHECKING:
     from core.config import CorpusConfig
-    from stages.corpus import RawCorpus
+# `raw` below is a stages.corpus.RawCorpus (sources, patterns, blend, ranks); not imported: the package imports this.
 
 READABLE = (f"{', '.join(sorted(FORMATS))} (optionally compressed: {', '.join(sorted(COMPRESSION))}, "
             f"not around .parquet)")
@@ -28,7 +28,7 @@ def _mb(size: int) -> str:
     return f"{size:,} bytes" if size < 10_000 else f"{size / 1e6:,.1f} MB"
 
 
-def groups(raw: "RawCorpus") -> list[tuple[str, str, list[tuple[str, int, int]]]]:
+def groups(raw) -> list[tuple[str, str, list[tuple[str, int, int]]]]:
     """(name, what was asked for, its files) per source: the named ones in order, or one unnamed source."""
     if not raw.blend:
         return [("(unnamed)", " ".join(raw.patterns), list(raw.sources))]
@@ -38,7 +38,7 @@ def groups(raw: "RawCorpus") -> list[tuple[str, str, list[tuple[str, int, int]]]
     return [(s.name, s.spec(), by_rank[r]) for r, s in enumerate(raw.blend)]
 
 
-def describe(raw: "RawCorpus") -> str:
+def describe(raw) -> str:
     """The corpus as the run will read it: every source, its files' count and bytes (what `--dry-run` prints)."""
     total = sum(f[1] for f in raw.sources)
     lines = [f"corpus: {len(raw.sources)} file(s), {_mb(total)}, in {max(1, len(raw.blend))} source(s)"]
@@ -77,7 +77,7 @@ def _count_in(path: str, fmt: str, txt_mode: str, limit: int) -> int | None:
     return n
 
 
-def count_documents(raw: "RawCorpus", cfg: "CorpusConfig", limit: int) -> int | None:
+def count_documents(raw, cfg: "CorpusConfig", limit: int) -> int | None:
     """Documents in the corpus's readable files, counted up to `limit`; None when some file cannot be counted
     without reading it whole (compressed, remote)."""
     n = 0
@@ -124,7 +124,7 @@ def check_inputs(cfg: "CorpusConfig", *, listing: dict, planned: frozenset[str])
     return warnings
 
 
-def text_bytes(raw: "RawCorpus") -> int | None:
+def text_bytes(raw) -> int | None:
     """Bytes of text in the corpus's readable files, or None when some are compressed (Parquet included): then the
     listing does not tell."""
     total = 0
