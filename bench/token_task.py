@@ -71,7 +71,6 @@ def main(argv=None) -> int:
     from deberta import checkpoint
     from stages.finetune import data as ft_data
     from stages.finetune import sweep as ft_sweep
-    from stages.finetune.kinds import kind_of
     from stages.finetune.tasks import resolve_task
     from stages.finetune.trial import TrialSetup
 
@@ -100,7 +99,7 @@ def main(argv=None) -> int:
         point = point[point[key] == champion[key]]
     per_seed = {int(row["seed"]): round(float(row[metric]), 4) for _, row in point.iterrows()}
     scores = np.asarray(list(per_seed.values()))
-    baseline, rule = kind_of(task.kind).baseline(task)
+    baseline, rule = task.kind.baseline(task)
     mean, std = float(scores.mean()), float(scores.std(ddof=1)) if len(scores) > 1 else 0.0
     import subprocess
 

@@ -16,7 +16,8 @@ regression head comes back through the flavor as a label "LABEL_0" with a score;
 tokenizer without the SentencePiece model, so its copy could not be fine-tuned from (`finetune.init=models:/...`
 reads `hf/` of the version). Here the registry holds the export byte for byte.
 
-Tasks (artifact `interface`: {"task", "inputs", "kind"}) and their DataFrame interface:
+Tasks (artifact `interface`: {"task", "inputs", "kind", "auto"}: the transformers auto class) and their DataFrame
+interface (a fine-tuned model's is its kind's; these are the built-in kinds'):
     text-classification  sentence1 (+ sentence2 for pair tasks) -> label (the task's label name), score (its
                          probability); a regression head (problem_type "regression") -> score (float) only
                          (`stages/finetune/kinds/sequence.py`)
@@ -63,12 +64,7 @@ class HFExport(mlflow.pyfunc.PythonModel):
             with open(f"{path}/config.json") as f:
                 self.settings = json.load(f)
             self.settings.setdefault("max_seq_len", self.tokenizer.model_max_length)
-        auto = {"text-classification": transformers.AutoModelForSequenceClassification,
-                "token-classification": transformers.AutoModelForTokenClassification,
-                "question-answering": transformers.AutoModelForQuestionAnswering,
-                "fill-mask": transformers.AutoModelForMaskedLM,
-                "feature-extraction": transformers.AutoModel}[self.task]
-        self.model = auto.from_pretrained(path).eval()
+        self.model = getattr(transformers, interface["auto"]).from_pretrained(path).eval()
         if self.task == "fill-mask":
             self.pipe = transformers.pipeline(self.task, model=self.model, tokenizer=self.tokenizer)
         self.torch = torch

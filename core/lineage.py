@@ -40,14 +40,10 @@ TAG_STATUS = "pipeline.status"
 # MLflow 3.17's UI opens an experiment by this tag: "custom_model_development" -> the Runs tab of the "Machine
 # learning" workflow. Untagged, the page keeps the sidebar's workflow, which defaults to GenAI (traces).
 TAG_EXPERIMENT_KIND, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
-# task -> the input columns a logged model may take (core/hf_pyfunc.py): a classifier reads a task's sentence
-# columns (sentence2 only for pair tasks), the encoders a `text` (fill-mask: with [MASK]).
-HF_TASKS = {"text-classification": (("sentence1",), ("sentence1", "sentence2")),
-            "token-classification": (("text",),), "question-answering": (("question", "context"),),
-            "fill-mask": (("text",),), "feature-extraction": (("text",),)}
 HF_PYFUNC = Path(__file__).with_name("hf_pyfunc.py")
-KIND_TASKS = ("text-classification", "token-classification", "question-answering")
-"""The tasks of fine-tuned models, answered by their task kind's code (core/hf_pyfunc.py)."""
+PRETRAINED_AUTO = {"fill-mask": "AutoModelForMaskedLM", "feature-extraction": "AutoModel"}
+"""The tasks of a pretrained model's export (it reads `text`; fill-mask: with [MASK]) and their transformers auto
+classes. A fine-tuned model's task, columns, auto class and answers are its task kind's (core/hf_pyfunc.py)."""
 # What the model needs at load time. Given, MLflow does not infer them (it would load the model again in a
 # subprocess); local version labels (+cpu) are dropped so the pins resolve on any index.
 HF_REQUIREMENTS = ("transformers", "tokenizers", "safetensors", "torch", "pandas", "numpy")
@@ -111,31 +107,21 @@ def _tracking_uri(uri: str):
             os.environ["MLFLOW_TRACKING_URI"] = previous_env
 
 
-def _hf_signature(task: str, columns: list[str], hf_dir: Path):
-    """Inputs: the example's string columns; outputs as core/hf_pyfunc.py answers for the task (a regression
-    head, problem_type "regression" in its config.json: the score alone)."""
+def _hf_signature(task: str, columns: list[str], outputs: list[dict[str, Any]] | None):
+    """Inputs: the example's string columns; outputs: a fine-tuned model's from its kind (MLflow schema JSON), a
+    pretrained model's as core/hf_pyfunc.py answers for the task."""
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, DataType, Schema
-    from mlflow.types.schema import Array, Object, Property
+    from mlflow.types.schema import Array
 
     inputs = Schema([ColSpec("string", c) for c in columns])
-    if task == "text-classification":
-        config = json.loads((hf_dir / "config.json").read_text())
-        regression = config.get("problem_type") == "regression" or len(config.get("id2label", {})) == 1
-        outputs = [ColSpec("double", "score")] if regression else [ColSpec("string", "label"),
-                                                                     ColSpec("double", "score")]
-    elif task == "fill-mask":
-        outputs = [ColSpec("string", "token"), ColSpec("double", "score"), ColSpec("string", "sequence")]
-    elif task == "token-classification":
-        entity = Object([Property("entity_group", "string"), Property("word", "string"), Property("start", "long"),
-                         Property("end", "long"), Property("score", "double")])
-        outputs = [ColSpec(Array(entity), "entities")]
-    elif task == "question-answering":
-        outputs = [ColSpec("string", "answer"), ColSpec("double", "score"), ColSpec("long", "start"),
-                   ColSpec("long", "end")]
+    if outputs is not None:
+        return ModelSignature(inputs, Schema.from_json(json.dumps(outputs)))
+    if task == "fill-mask":
+        answers = [ColSpec("string", "token"), ColSpec("double", "score"), ColSpec("string", "sequence")]
     else:
-        outputs = [ColSpec(Array(DataType.double), "embedding")]
-    return ModelSignature(inputs, Schema(outputs))
+        answers = [ColSpec(Array(DataType.double), "embedding")]
+    return ModelSignature(inputs, Schema(answers))
 
 
 @functools.lru_cache(maxsize=None)
@@ -190,39 +176,43 @@ class Tracker:
         self.client.set_terminated(self.run_id, status)
 
     def log_hf_model(self, hf_dir: Path | str, *, task: str, input_example, name: str = "model",
-                     tags: dict[str, Any] | None = None, kind: str = "", code_paths: tuple[Path, ...] = ()) -> str:
+                     tags: dict[str, Any] | None = None, kind: str = "", code_paths: tuple[Path, ...] = (),
+                     auto: str = "", outputs: list[dict[str, Any]] | None = None) -> str:
         """Log an HF directory (`deberta.hf.save_pretrained`) as an MLflow Model - core/hf_pyfunc.py over the
         directory, kept whole as the model's artifact `hf` - in an MLflow 3 logged model of this run's experiment
         whose source run is this one. Returns its URI, `models:/<model_id>`, for `register_model(model_uri=...)`.
 
-        task: a key of HF_TASKS. input_example: a pandas DataFrame (or dict of lists) whose columns are the model's
-        inputs: `sentence1` (and `sentence2` for pair tasks) for text-classification, `text` otherwise.
-        kind: for a fine-tuned model (every task but fill-mask and feature-extraction), the module of the task
-        kind whose code predicts (`stages.finetune.kinds.base.TaskKind`), importable from `code_paths`, which the
-        model ships (MLflow's `code_paths`).
+        task: the transformers pipeline tag (the logged model's type). input_example: a pandas DataFrame (or dict of
+        lists) whose columns are the model's inputs (`text` for a pretrained model's tasks, PRETRAINED_AUTO).
+        kind: for a fine-tuned model, the module of the task kind whose code predicts
+        (`stages.finetune.kinds.base.TaskKind`), importable from `code_paths`, which the model ships (MLflow's
+        `code_paths`); with it `auto`, the transformers auto class its export loads with, and `outputs`, its
+        answer columns as MLflow schema JSON (`TaskKind.hf_auto`, `signature_outputs`).
         """
         import pandas as pd
 
         hf_dir = Path(hf_dir).resolve()  # an absolute path is never taken for a Hub repo id
-        if task not in HF_TASKS:
-            raise ValueError(f"log_hf_model: task={task!r}; choose one of {tuple(HF_TASKS)}")
+        if not kind and task not in PRETRAINED_AUTO:
+            raise ValueError(f"log_hf_model: task={task!r} without a task kind; a pretrained model's task is one of "
+                             f"{tuple(PRETRAINED_AUTO)}, a fine-tuned model names its kind")
         if not (hf_dir / "config.json").is_file() or not (hf_dir / "tokenizer.json").is_file():
             raise FileNotFoundError(f"log_hf_model: {hf_dir} lacks config.json or tokenizer.json; write it with "
                                     f"deberta.hf.save_pretrained(model, dir, vocab_dir=...)")
-        if (task in KIND_TASKS) != bool(kind) or bool(kind) != bool(code_paths):
-            raise ValueError(f"log_hf_model: a {task} model needs kind and code_paths exactly when it is one of "
-                             f"{KIND_TASKS} (got kind={kind!r})")
+        if bool(kind) != bool(code_paths) or bool(kind) != bool(auto) or bool(kind) != bool(outputs):
+            raise ValueError(f"log_hf_model: kind={kind!r}: a fine-tuned model needs kind, code_paths, auto and "
+                             f"outputs together, a pretrained one none of them")
         example = pd.DataFrame(input_example)
-        if tuple(example.columns) not in HF_TASKS[task]:
+        if not kind and tuple(example.columns) != ("text",):
             raise ValueError(f"log_hf_model: input_example has columns {list(example.columns)}; a {task} model "
-                             f"takes {' or '.join(map(str, map(list, HF_TASKS[task])))}")
+                             f"takes ['text']")
         # Created here, not by Model.log: MLflow 3.17 files a new logged model under the fluent API's active
         # experiment (the default one, "0"), not under its source run's.
         logged = self.client.create_logged_model(
             self.experiment_id, name=name, source_run_id=self.run_id, model_type=task,
             params=self.client.get_run(self.run_id).data.params,
             tags={k: str(v) for k, v in (tags or {}).items()} or None)
-        _log_pyfunc_model(self.tracking_uri, self.run_id, logged.model_id, hf_dir, task, example, kind, code_paths)
+        _log_pyfunc_model(self.tracking_uri, self.run_id, logged.model_id, hf_dir, task, example,
+                          {"kind": kind, "auto": auto or PRETRAINED_AUTO.get(task, "")}, code_paths, outputs)
         return f"models:/{logged.model_id}"
 
     def register_model(self, name: str, artifact_path: str | None = None, tags: dict[str, Any] | None = None,
@@ -254,8 +244,8 @@ class Tracker:
         return str(mv.version)
 
 
-def _log_pyfunc_model(tracking_uri: str, run_id: str, model_id: str, hf_dir: Path, task: str, example, kind: str,
-                      code_paths: tuple[Path, ...]) -> None:
+def _log_pyfunc_model(tracking_uri: str, run_id: str, model_id: str, hf_dir: Path, task: str, example,
+                      serving: dict[str, str], code_paths: tuple[Path, ...], outputs: list | None) -> None:
     """Fill logged model `model_id` with core/hf_pyfunc.py over the HF directory."""
     import tempfile
 
@@ -265,12 +255,12 @@ def _log_pyfunc_model(tracking_uri: str, run_id: str, model_id: str, hf_dir: Pat
         # the task and input columns as an artifact, not as model_config: Model.log copies a model_config into the
         # run's params, where a second model of the same run would collide with the first
         interface = Path(tmp) / "interface.json"
-        interface.write_text(json.dumps({"task": task, "inputs": list(example.columns), "kind": kind}) + "\n")
+        interface.write_text(json.dumps({"task": task, "inputs": list(example.columns), **serving}) + "\n")
         # Model.log rather than mlflow.pyfunc.log_model, which cannot name the run (it would need an active one)
         Model.log(
             artifact_path=None, name="model", flavor=mlflow.pyfunc, run_id=run_id, model_id=model_id,
             python_model=str(HF_PYFUNC), artifacts={"hf": str(hf_dir), "interface": str(interface)},
-            signature=_hf_signature(task, list(example.columns), hf_dir), input_example=example,
+            signature=_hf_signature(task, list(example.columns), outputs), input_example=example,
             pip_requirements=[f"{p}=={metadata.version(p).split('+')[0]}" for p in HF_REQUIREMENTS],
             code_paths=[str(p) for p in code_paths] or None,
         )

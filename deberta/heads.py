@@ -138,15 +138,3 @@ class DebertaForQuestionAnswering(_Head):
             flat = logits.float().flatten(0, 1)  # (B * 2, T): start and end rows
             out["loss"] = F.cross_entropy(flat, labels.reshape(-1).long())  # mean of start and end losses
         return out
-
-
-def build_head(kind: str, cfg: DebertaConfig, num_labels: int, classifier_dropout: float,
-               sift: bool = False) -> _Head:
-    """The head of a task kind: "sequence", "token" or "span"."""
-    if kind == "sequence":
-        return DebertaForSequenceClassification(cfg, num_labels, classifier_dropout, sift=sift)
-    if kind == "token":
-        return DebertaForTokenClassification(cfg, num_labels, classifier_dropout, sift=sift)
-    if kind == "span":
-        return DebertaForQuestionAnswering(cfg, classifier_dropout, sift=sift)
-    raise ValueError(f"build_head: kind={kind!r}; use sequence, token or span")

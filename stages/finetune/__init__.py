@@ -29,7 +29,6 @@ from core.tokenizer import Tokenizer
 from core.errors import StageInputError
 from stages.base import StageContext, StageResult
 from stages.finetune.data import ExternalCheckpoint, load_pretrained, prepare_data
-from stages.finetune.kinds import kind_of
 from stages.finetune.kinds.base import TaskRef
 from stages.finetune.registry import _jsonable, export_hf, plot_sweep, register_champion, save_model
 from stages.finetune.sweep import (GRID_KEYS, _trial_runs_callback, best_checkpoint, grid_size, pick_champion,
@@ -41,7 +40,7 @@ VERSION = "2"
 
 def check_task(cfg: FinetuneConfig, task: TaskRef) -> None:
     """Before Ray starts (the real run and `--dry-run`): what the task's kind needs of the settings."""
-    kind_of(task.kind).check(cfg, task)
+    task.kind.check(cfg, task)
 
 
 def dry_run(cfg: FinetuneConfig, model: DebertaConfig, inputs: dict | None = None) -> str:
@@ -66,12 +65,12 @@ def run(cfg: FinetuneConfig, *, model: DebertaConfig, inputs: dict[str, Any], ou
     data = prepare_data(task, tok_dir, cfg)
     setup = TrialSetup(model, task.num_labels, task.kind, task.metric, cfg)
     metric = f"dev_{task.metric}"
-    baseline, baseline_name = kind_of(task.kind).baseline(task)
-    print(f"[finetune] {task.name} ({task.kind}): {len(task.train)} train / {len(task.dev)} dev examples in "
+    baseline, baseline_name = task.kind.baseline(task)
+    print(f"[finetune] {task.name} ({task.problem}): {len(task.train)} train / {len(task.dev)} dev examples in "
           f"{len(data[0])} / {len(data[1])} rows, {grid_size(cfg)} trials, selection on {metric} "
           f"({baseline_name} {baseline:.4f})", flush=True)
     init = inputs.get("pretrain") if isinstance(inputs.get("pretrain"), ExternalCheckpoint) else None
-    ctx.tracker.log_params({"task.name": task.name, "task.id": task.id, "task.kind": task.kind,
+    ctx.tracker.log_params({"task.name": task.name, "task.id": task.id, "task.kind": task.problem,
                             "task.train_examples": len(data[0]), "task.dev_examples": len(data[1]),
                             **({"init.source": init.source, "init.digest": init.id} if init else {})})
 
@@ -92,7 +91,7 @@ def run(cfg: FinetuneConfig, *, model: DebertaConfig, inputs: dict[str, Any], ou
     trial_cfg = {k: _jsonable(champion)[k] for k in (*GRID_KEYS, "seed")}
     return StageResult(
         metrics={f"best_{metric}": float(champion[metric]), f"best_{metric}_seed_mean": champion["seed_mean"],
-                 "baseline": baseline, **({"majority_baseline": baseline} if kind_of(task.kind).name == "sequence" else {})},
+                 **{name: baseline for name in ("baseline", *task.kind.baseline_aliases)}},
         counts={"trials": len(table), "trial_epochs": int(table["epochs"].sum()),
                 "train_examples": len(data[0]), "dev_examples": len(data[1])},
         log_files=("results.csv", "sweep.png", "champion.json"),

@@ -34,9 +34,7 @@ SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention
 def prepare_data(task: "TaskRef", tok_dir: Path, cfg: "FinetuneConfig") -> tuple[Encoded, Encoded]:
     """(train, dev) rows by the task's kind (`tok_dir`: the checkpoint's vocabulary); train capped at
     `max_train_examples` rows by a fixed-seed sample."""
-    from stages.finetune.kinds import kind_of
-
-    kind = kind_of(task.kind)
+    kind = task.kind
     train = kind.encode(task, task.train, tok_dir, cfg)
     if cfg.max_train_examples is not None and len(train) > cfg.max_train_examples:
         train = train.take(np.sort(np.random.default_rng(0).permutation(len(train))[:cfg.max_train_examples]))

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 from core.tokenizer import MODEL_FILE, SPECIAL_FILE
 from stages.base import StageContext
-from stages.finetune.kinds import kind_of
 from stages.finetune.kinds.base import TaskRef, code_tree
 from stages.finetune.sweep import GRID_KEYS
 
@@ -52,7 +51,7 @@ def save_model(dst: Path, best_checkpoint, setup: "TrialSetup", task: TaskRef, t
     with best_checkpoint.as_directory() as ckpt:
         shutil.copyfile(Path(ckpt) / "model.pt", dst / "model.pt")
     (dst / "config.json").write_text(json.dumps(setup.model.to_dict(), indent=2, sort_keys=True) + "\n")
-    head = {"task": task.name, "task_id": task.id, "kind": task.kind, "metric": task.metric,
+    head = {"task": task.name, "task_id": task.id, "problem": task.problem, "metric": task.metric,
             "labels": list(task.labels), "num_labels": setup.num_labels, "sift": setup.ft.sift,
             "max_seq_len": setup.ft.max_seq_len, "doc_stride": setup.ft.doc_stride,
             "max_answer_len": setup.ft.max_answer_len, "options": dict(task.options), "trial": _jsonable(champion)}
@@ -75,21 +74,19 @@ def export_hf(model_dir: Path, hf_dir: Path, task: TaskRef, dropout: float) -> N
 
     from deberta import hf
     from deberta.config import DebertaConfig
-    from deberta.heads import build_head
     from deberta.model import unshared_state_dict
 
     head = json.loads((model_dir / "finetune.json").read_text())
     cfg = DebertaConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
     state = torch.load(model_dir / "model.pt", map_location="cpu", weights_only=True)
     # HF layers own their weights: a model with ALBERT's shared layers is exported as its unshared copy
-    kind = kind_of(head["kind"])
-    model = build_head(kind.name, cfg.replace(share_layers="none"), head["num_labels"], dropout, sift=head["sift"])
+    model = task.kind.build_head(cfg.replace(share_layers="none"), head["num_labels"], dropout, sift=head["sift"])
     model.load_state_dict(unshared_state_dict(state, cfg))
     # HF has no place for SiFT's parameter-free normalisation of the embeddings: the export drops it (logits move
     # by ~1e-6 relative at this scale; measured in tests/unit/test_hf_interop.py)
     hf.save_pretrained(model.eval(), hf_dir, vocab_dir=model_dir / "tokenizer", labels=task.labels or None,
                        model_max_length=head["max_seq_len"], drop_sift_normalisation=head["sift"],
-                       config_extra=kind.export_config(task, head))
+                       config_extra=task.kind.export_config(task, head))
 
 
 def register_champion(ctx: StageContext, out: Path, task: TaskRef, champion: dict, metric: str,
@@ -104,14 +101,14 @@ def register_champion(ctx: StageContext, out: Path, task: TaskRef, champion: dic
             "vocab": ctx.lineage.get("vocab", ""), "task": task.id, "task_name": task.name, "sweep": ctx.artifact_id,
             "trial_id": champion["trial_id"], "trial_config": json.dumps(trial_cfg, sort_keys=True),
             metric: f"{champion[metric]:.6f}", "baseline": f"{baseline:.6f}"}
-    if kind_of(task.kind).name == "sequence":  # the constant predictor's score, under its old name
-        tags["majority_baseline"] = tags["baseline"]
+    tags.update({name: tags["baseline"] for name in task.kind.baseline_aliases})
     if init is not None:
         tags.update(init=init.source, init_digest=init.id)
-    kind = kind_of(task.kind)
+    kind = task.kind
     with tempfile.TemporaryDirectory() as code:  # the kinds' code ships with the model: it predicts (one path)
         uri = ctx.tracker.log_hf_model(out / "hf", task=kind.pyfunc_task, input_example=kind.input_example(task),
                                        name="champion", tags=tags, kind=type(kind).__module__,
-                                       code_paths=tuple(code_tree(Path(code))))
+                                       code_paths=tuple(code_tree(Path(code), kind)), auto=kind.hf_auto,
+                                       outputs=kind.signature_outputs(task))
     return ctx.tracker.register_model(f"deberta-{ctx.preset}-{task.name}", model_uri=uri, alias="champion",
                                       tags=tags)

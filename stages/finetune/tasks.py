@@ -12,23 +12,25 @@ from __future__ import annotations
 from pathlib import Path
 
 from core.errors import StageInputError
-from stages.finetune.kinds import KINDS, kind_of, sequence, token
+from stages.finetune.kinds import KINDS, kind_of
 from stages.finetune.kinds.base import TaskRef, read_task_json
 
-BUILTINS = {"rotten-tomatoes": sequence.rotten_tomatoes, "lee-sts": sequence.lee_sts,
-            **token.BUILTINS}
-"""Built-in task name -> its reader."""
+
+def builtin_tasks() -> dict:
+    """Built-in task name -> its reader, from every kind in `KINDS` (`TaskKind.builtins`)."""
+    return {name: read for kind in KINDS.values() for name, read in kind.builtins.items()}
 
 
 def resolve_task(spec: str, workdir: Path | None = None) -> TaskRef:
     """A built-in task name or a task directory -> TaskRef (raises StageInputError)."""
-    if spec in BUILTINS:
-        return BUILTINS[spec]()
+    named = builtin_tasks()
+    if spec in named:
+        return named[spec]()
     path = Path(spec).expanduser()
     if not path.is_absolute() and workdir is not None and not path.exists() and (workdir / path).exists():
         path = workdir / path
     if not path.is_dir():
-        raise StageInputError(f"task {spec!r} is neither a built-in ({', '.join(BUILTINS)}) nor an existing "
+        raise StageInputError(f"task {spec!r} is neither a built-in ({', '.join(named)}) nor an existing "
                               f"task directory; pass --task NAME or --task DIR")
     path = path.resolve()
     meta = read_task_json(path)
@@ -49,4 +51,4 @@ def resolve_task(spec: str, workdir: Path | None = None) -> TaskRef:
 
 def majority_baseline(task: TaskRef) -> float:
     """The selection metric on dev of the rule a practitioner tries first (`TaskKind.baseline`)."""
-    return kind_of(task.kind).baseline(task)[0]
+    return task.kind.baseline(task)[0]

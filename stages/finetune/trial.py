@@ -36,12 +36,10 @@ from training import precision
 from training.engine import Engine, OptimSpec, build
 from deberta import checkpoint
 from deberta.config import DebertaConfig
-from deberta.heads import build_head
 from deberta.sift import sift_loss
 from core.config import FinetuneConfig
 from core.errors import StageInputError
-from stages.finetune.kinds import kind_of
-from stages.finetune.kinds.base import EVAL_BATCH, Encoded
+from stages.finetune.kinds.base import EVAL_BATCH, Encoded, TaskKind
 
 TRIAL_STATE = "trial_state.pt"
 """Beside model.pt in a torch trial's checkpoint: what `restore_progress` needs to continue the loop."""
@@ -53,15 +51,10 @@ class TrialSetup:
 
     model: DebertaConfig
     num_labels: int
-    kind: str
-    """The task's problem (`TaskRef.kind`); `stages.finetune.kinds.kind_of` gives its kind."""
+    kind: TaskKind
+    """The task's kind (`TaskRef.kind`): its head, its batches' labels, its dev metrics."""
     metric: str
     ft: FinetuneConfig
-
-    @property
-    def head(self) -> str:
-        """The head of the task's kind: "sequence", "token" or "span" (`deberta.heads.build_head`)."""
-        return kind_of(self.kind).name
 
 
 def load_backbone(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
@@ -75,7 +68,7 @@ def load_backbone(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> N
 def build_classifier(setup: TrialSetup, config: dict[str, Any]) -> torch.nn.Module:
     """The trial's model before the backbone is loaded: its head drawn from the trial's seed."""
     torch.manual_seed(config["seed"])
-    return build_head(setup.head, setup.model, setup.num_labels, config["dropout"], sift=setup.ft.sift)
+    return setup.kind.build_head(setup.model, setup.num_labels, config["dropout"], sift=setup.ft.sift)
 
 
 def trial_engine(setup: TrialSetup, config: dict[str, Any], weights: dict[str, torch.Tensor], spec: OptimSpec,
@@ -84,7 +77,7 @@ def trial_engine(setup: TrialSetup, config: dict[str, Any], weights: dict[str, t
     from deberta.model import init_weights
 
     with torch.device("meta"):  # the key check, without building the model twice
-        skeleton = build_head(setup.head, setup.model, setup.num_labels, 0.0)
+        skeleton = setup.kind.build_head(setup.model, setup.num_labels, 0.0)
     missing = [k for k in skeleton.state_dict() if k.startswith(checkpoint.BACKBONE_PREFIX)
                and k not in weights]
     if missing:
@@ -122,36 +115,35 @@ def optim_spec(ft: FinetuneConfig, config: dict[str, Any], n_train: int, world: 
                      grad_clip=ft.grad_clip)
 
 
-def _batch(data: Encoded, idx: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _batch(data: Encoded, idx: np.ndarray, device, kind: TaskKind) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ids = data.ids[idx]  # [PAD] = 0 (fixed by the vocab stage)
     width = max(1, int((ids != 0).sum(1).max()))  # trim the padding every row shares
     labels = data.label[idx]
-    if labels.shape[1:] == data.ids.shape[1:]:  # a label per position (token kind): trimmed with the ids
+    if kind.labels_per_position:  # trimmed with the ids
         labels = labels[:, :width]
     ids = torch.from_numpy(ids[:, :width].astype(np.int64)).to(device)  # (B, T')
     return ids, (ids != 0).long(), torch.from_numpy(labels).to(device)
 
 
 @torch.no_grad()
-def evaluate(model, data: Encoded, kind: str, device, rank: int = 0, world: int = 1) -> dict[str, float]:
+def evaluate(model, data: Encoded, kind: TaskKind, device, rank: int = 0, world: int = 1) -> dict[str, float]:
     """Dev metrics. With `world` > 1 every worker predicts a contiguous share and the shares are gathered; all
     workers run the same number of forward passes (ZeRO-3 gathers weights collectively in each one)."""
     model.eval()
     share = math.ceil(len(data) / world)
     rows = np.arange(rank * share, min(len(data), (rank + 1) * share))
-    task_kind = kind_of(kind)
     mine: list[np.ndarray] = []
     for b in range(math.ceil(share / EVAL_BATCH)):
         idx = rows[b * EVAL_BATCH:(b + 1) * EVAL_BATCH]
         real = len(idx)
-        ids, mask, _ = _batch(data, idx if real else np.zeros(1, dtype=np.int64), device)  # a pad pass, dropped
+        ids, mask, _ = _batch(data, idx if real else np.zeros(1, dtype=np.int64), device, kind)  # a pad pass, dropped
         logits = model(ids, mask)["logits"].float()  # (B, num_labels), (B, T', num_labels) or (B, 2, T')
-        mine += task_kind.row_outputs(logits, mask)[:real]
+        mine += kind.row_outputs(logits, mask)[:real]
     if world > 1:
         shares: list[Any] = [None] * world
         torch.distributed.all_gather_object(shares, mine)
         mine = [row for share in shares for row in share]
-    return task_kind.dev_metrics(kind, mine, data)
+    return kind.dev_metrics(mine, data)
 
 
 def train_step(model, batch, sift_lambda: float | None) -> tuple[torch.Tensor, float]:
@@ -201,7 +193,8 @@ def run_epochs(engine: Engine, data: tuple[Encoded, Encoded], setup: TrialSetup,
         engine.train()
         started, losses, sifts = time.time(), [], []
         for idx in epoch_batches(len(train), bs, rng, world):
-            loss, adv = train_step(engine, _batch(train, idx[rank::world], device), ft.sift_lambda if ft.sift else None)
+            loss, adv = train_step(engine, _batch(train, idx[rank::world], device, setup.kind),
+                                   ft.sift_lambda if ft.sift else None)
             engine.backward(loss)
             engine.step()
             losses.append(float(loss.detach()))

@@ -176,7 +176,7 @@ def test_sweep_beats_baseline_and_registers_champion(tiny_pretrained, ray_local,
     clf = DebertaForSequenceClassification(checkpoint.load_config(out / "model"), saved["num_labels"], 0.0)
     clf.load_state_dict(torch.load(out / "model" / "model.pt", weights_only=True))
     tok = Tokenizer.load(out / "model" / "tokenizer")
-    dev = sequence.encode_split(fast_tokenizer(out / "model" / "tokenizer", SEQ), task.dev, SEQ)
+    dev = sequence.encode_split(fast_tokenizer(out / "model" / "tokenizer", SEQ), task.dev, SEQ, task.problem)
     assert ft_trial.evaluate(clf, dev, task.kind, "cpu")["accuracy"] == pytest.approx(best, abs=1e-6)
 
     # the registry: champion alias with lineage tags; every trial a nested run with per-epoch metrics
@@ -437,7 +437,7 @@ def test_deepspeed_sweep_zero3_two_workers_with_sift(tiny_pretrained, ray_local,
     clf = DebertaForSequenceClassification(checkpoint.load_config(out / "model"), saved["num_labels"], 0.0)
     tuned = torch.load(out / "model" / "model.pt", weights_only=True)
     clf.load_state_dict(tuned)
-    dev = sequence.encode_split(fast_tokenizer(out / "model" / "tokenizer", SEQ), task.dev, SEQ)
+    dev = sequence.encode_split(fast_tokenizer(out / "model" / "tokenizer", SEQ), task.dev, SEQ, task.problem)
     scored = ft_trial.evaluate(clf, dev, task.kind, "cpu")
     assert best != 0.0, "constant predictions (Pearson 0 by definition) would not tell weights apart"
     # within float rounding: the trial's forward ran on two ranks gathering ZeRO-3 shards, this one on whole weights

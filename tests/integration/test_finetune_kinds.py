@@ -23,7 +23,6 @@ from core.config import FinetuneConfig
 from core.datasets import site_packages_file
 from core.errors import StageInputError
 from deberta import checkpoint
-from deberta.heads import build_head
 from stages import finetune
 from stages.finetune.data import prepare_data
 from stages.finetune.kinds import kind_of, squad_eval, token
@@ -133,7 +132,7 @@ def tweet_names_conll(tmp_path_factory) -> Path:
 def test_token_formats_read_real_records(wnut_conll, tmp_path):
     """CoNLL columns (the tag column named in task.json, -DOCSTART- skipped) and JSONL with ner_tags ids."""
     conll = resolve_task(str(wnut_conll))
-    assert (conll.kind, len(conll.train), len(conll.dev), conll.option("scheme")) == ("token", 400, 120, "IOB2")
+    assert (conll.problem, len(conll.train), len(conll.dev), conll.option("scheme")) == ("token", 400, 120, "IOB2")
     assert conll.train.words[0][:3] == ("@paulwalk", "It", "'s") and "B-facility" in conll.labels
     # the real CoNLL-2003 sentence of allennlp's fixtures: word POS chunk NER, NER in column 3, IOB1 (I-ORG first)
     real = site_packages_file(f"{FIXTURES}/conll2003.txt").read_text().split("\n\n-DOCSTART-")[0]
@@ -157,14 +156,14 @@ def test_token_formats_read_real_records(wnut_conll, tmp_path):
                 f.write(json.dumps({"tokens": list(ws), "ner_tags": list(ts)}) + "\n")
     (j / "task.json").write_text(json.dumps({"labels": list(conll.labels)}))
     task = resolve_task(str(j))
-    assert task.kind == "token" and task.train.words == conll.train.words[:30]
+    assert task.problem == "token" and task.train.words == conll.train.words[:30]
     assert [[task.labels[t] for t in s] for s in task.train.tags] == \
         [[conll.labels[t] for t in s] for s in conll.train.tags[:30]]
 
 
 def test_squad_formats_read_real_records(squad_dirs):
     v1, v2 = resolve_task(str(squad_dirs["1.1"])), resolve_task(str(squad_dirs["2.0"]))
-    assert (v1.kind, v1.option("version"), len(v1.train), len(v1.dev)) == ("span", "1.1", 6, 3)
+    assert (v1.problem, v1.option("version"), len(v1.train), len(v1.dev)) == ("span", "1.1", 6, 3)
     assert (v2.option("version"), len(v2.train), len(v2.dev)) == ("2.0", 8, 6)
     qa = next(q for q in v1.dev.questions if q.id == "5733b1da4776f41900661068")
     assert qa.answers == (("1882", 3),) and qa.context[3:7] == "1882"
@@ -254,7 +253,7 @@ def test_token_windows_label_first_pieces_and_merge_by_most_context(tiny_pretrai
                 out[p, 0] = dev.label[r, p]
         outputs.append(out)
     assert sum(len(set(np.flatnonzero(first[r])) ) for r in range(len(dev))) > len(best)  # words seen twice
-    scores = kind_of("token").dev_metrics("token", outputs, dev)
+    scores = kind_of("token").dev_metrics(outputs, dev)
     assert scores == {"f1": 1.0, "precision": 1.0, "recall": 1.0, "accuracy": 1.0}
 
 
@@ -326,7 +325,7 @@ def test_span_windows_target_the_answer_and_the_search_finds_it(tiny_pretrained,
             out.append(logits)
         return out
 
-    scores = kind_of("span").dev_metrics("span", peaked(dev), dev)
+    scores = kind_of("span").dev_metrics(peaked(dev), dev)
     assert scores["exact"] == scores["f1"] == 1.0 and scores["NoAns_f1"] == scores["HasAns_f1"] == 1.0
     # the threshold chosen on dev separates the no-answer score (20) from an answered question's (-20)
     assert -20.0 <= scores["null_threshold"] < 20.0
@@ -334,7 +333,7 @@ def test_span_windows_target_the_answer_and_the_search_finds_it(tiny_pretrained,
     _, dev_short = prepare_data(task, pre.path / "tokenizer", short)
     long_answers = [qa for qa in task.dev.questions if qa.answers and len(qa.answers[0][0].split()) > 2]
     assert long_answers
-    assert kind_of("span").dev_metrics("span", peaked(dev_short), dev_short)["HasAns_exact"] < 1.0
+    assert kind_of("span").dev_metrics(peaked(dev_short), dev_short)["HasAns_exact"] < 1.0
 
 
 # ----------------------------------------------------------------------------------------------- sweeps
@@ -375,7 +374,7 @@ def test_token_sweep_on_deepspeed_with_sift_registers_a_tagger_of_raw_text(tiny_
     assert result.metrics["baseline"] == pytest.approx(kind_of("token").baseline(task)[0])
     # the saved champion scores the reported dev F1
     head = json.loads((out / "model" / "finetune.json").read_text())
-    model = build_head("token", checkpoint.load_config(out / "model"), head["num_labels"], 0.0).eval()
+    model = task.kind.build_head(checkpoint.load_config(out / "model"), head["num_labels"], 0.0).eval()
     model.load_state_dict(torch.load(out / "model" / "model.pt", weights_only=True))
     from stages.finetune import trial as ft_trial
 
@@ -455,10 +454,10 @@ def test_span_sweep_v2_from_a_plain_transformers_directory(tiny_pretrained, ray_
     table = pd.read_csv(out / "results.csv")
     assert len(table) == 2 and {"dev_f1", "dev_exact", "dev_HasAns_f1", "dev_NoAns_f1"} <= set(table.columns)
     head = json.loads((out / "model" / "finetune.json").read_text())
-    assert head["kind"] == "span" and head["options"] == {"version": "2.0"}
+    assert head["problem"] == "span" and head["options"] == {"version": "2.0"}
     exported = AutoModelForQuestionAnswering.from_pretrained(out / "hf").eval()
     assert exported.config.null_score_threshold == pytest.approx(head["trial"]["dev_null_threshold"])
-    model = build_head("span", checkpoint.load_config(out / "model"), 2, 0.0).eval()
+    model = task.kind.build_head(checkpoint.load_config(out / "model"), 2, 0.0).eval()
     model.load_state_dict(torch.load(out / "model" / "model.pt", weights_only=True))
     _, dev = prepare_data(task, out / "model" / "tokenizer", cfg)
     ids = torch.from_numpy(dev.ids[:4].astype(np.int64))

