@@ -283,8 +283,8 @@ def deepspeed_worker(loop_config: dict[str, Any]) -> None:
     data = ray.get(payload["data"])
     weights = ray.get(payload["weights"])
     bs = int(config["batch_size"])
-    engine = trial_engine(setup, config, weights, optim_spec(ft, config, len(data[0]), world),
-                          ds_config=build_finetune_config(ft.grad_clip, ft.zero_stage, ft.use_gpu, bs, world, ft.precision),
+    ds_config = build_finetune_config(ft.grad_clip, ft.zero_stage, ft.use_gpu, bs, world, ft.precision)
+    engine = trial_engine(setup, config, weights, optim_spec(ft, config, len(data[0]), world), ds_config=ds_config,
                           backend="nccl" if ft.use_gpu else "gloo")
     if rank:  # the other workers draw their own dropout masks (rank 0 continues as a torch trial would)
         torch.manual_seed(config["seed"] * 1_009 + rank)

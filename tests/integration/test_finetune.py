@@ -320,7 +320,7 @@ def test_sift_changes_the_loss_and_still_trains(tiny_pretrained, task_name):
     model = DebertaForSequenceClassification(model_cfg, task.num_labels, classifier_dropout=0.0, sift=True)
     ft_trial.load_backbone(model, weights)
     model.eval()  # no dropout: the two losses differ only by the SiFT term
-    batch = ft_trial._batch(train, np.arange(32), "cpu")
+    batch = ft_trial._batch(train, np.arange(32), "cpu", task.kind)
     plain, _ = ft_trial.train_step(model, batch, None)
     torch.manual_seed(1)
     with_sift, term = ft_trial.train_step(model, batch, cfg.sift_lambda)
@@ -332,8 +332,8 @@ def test_sift_changes_the_loss_and_still_trains(tiny_pretrained, task_name):
     for epoch in range(8):
         losses = []
         for start in range(0, 128, 32):
-            loss, term = ft_trial.train_step(model, ft_trial._batch(train, np.arange(start, start + 32), "cpu"),
-                                             cfg.sift_lambda)
+            batch = ft_trial._batch(train, np.arange(start, start + 32), "cpu", task.kind)
+            loss, term = ft_trial.train_step(model, batch, cfg.sift_lambda)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

@@ -410,7 +410,8 @@ def test_token_sweep_on_deepspeed_with_sift_registers_a_tagger_of_raw_text(tiny_
         served.append(tags)
     assert sum(t != "O" for tags in served for t in tags) > 0, "no entity served: nothing was compared"
     gold = [[task.labels[t] for t in tags] for tags in task.dev.tags]
-    logged = float(mlflow.MlflowClient().get_model_version_by_alias("deberta-debug-tweet-names", "champion").tags["dev_f1"])
+    version = mlflow.MlflowClient().get_model_version_by_alias("deberta-debug-tweet-names", "champion")
+    logged = float(version.tags["dev_f1"])
     assert entity_scores(gold, served)["f1"] == pytest.approx(result.metrics["best_dev_f1"], rel=1e-12)
     assert result.metrics["best_dev_f1"] == pytest.approx(logged, abs=1e-6)
     # ... and in a fresh process the kinds' code comes from the model itself (MLflow code_paths), Ray stays out
