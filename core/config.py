@@ -36,6 +36,11 @@ def _check(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _plain(values: tuple) -> str:
+    """A grid as the user types it on the command line (`1e-05,2e-05`), not as a Python tuple."""
+    return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
+
+
 def _positive(section: str, obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
@@ -374,10 +379,13 @@ class FinetuneConfig(Section):
         _check(self.scheduler in ("grid", "asha"), f"finetune.scheduler={self.scheduler!r}: use grid or asha")
         for name in ("dropout", "warmup_steps", "lr", "batch_size", "seeds"):
             _check(len(getattr(self, name)) > 0, f"finetune.{name} is empty: give at least one value")
-        _check(all(0.0 <= d < 1.0 for d in self.dropout), f"finetune.dropout={self.dropout}: each must be in [0, 1)")
-        _check(all(lr > 0 for lr in self.lr), f"finetune.lr={self.lr}: each must be > 0")
-        _check(all(b >= 1 for b in self.batch_size) and all(w >= 0 for w in self.warmup_steps),
-               f"finetune.batch_size={self.batch_size} must be >= 1 and warmup_steps={self.warmup_steps} >= 0")
+        _check(all(0.0 <= d < 1.0 for d in self.dropout),
+               f"finetune.dropout={_plain(self.dropout)}: each must be in [0, 1)")
+        _check(all(lr > 0 for lr in self.lr), f"finetune.lr={_plain(self.lr)}: each learning rate must be > 0")
+        _check(all(b >= 1 for b in self.batch_size),
+               f"finetune.batch_size={_plain(self.batch_size)}: each batch size must be >= 1")
+        _check(all(w >= 0 for w in self.warmup_steps),
+               f"finetune.warmup_steps={_plain(self.warmup_steps)}: each must be >= 0")
         _positive("finetune", self, "epochs", "max_concurrent_trials")
         _check(self.max_seq_len >= 3, f"finetune.max_seq_len={self.max_seq_len}: needs room for [CLS], a token "
                                       f"and [SEP] (>= 3)")

@@ -42,3 +42,10 @@ def test_a_span_task_is_planned_on_the_default_preset_and_a_stride_that_cannot_a
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1].startswith("error: finetune.doc_stride=31 leaves windows of "
                                                           "max_seq_len=64 no room to advance"), bad.stderr[-2000:]
+
+
+def test_a_grid_value_is_named_as_typed(tmp_path):
+    """`--set finetune.lr=-1` is named back as the user typed it, not as a Python tuple ("(-1.0,)")."""
+    bad = pipeline_main(["--dry-run", "--workdir", str(tmp_path / "wd"), "--set", "finetune.lr=1e-05,-1"])
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "error: finetune.lr=1e-05,-1: each learning rate must be > 0", bad.stderr
