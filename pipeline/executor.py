@@ -90,17 +90,20 @@ def cluster_fit(cfg: PipelineConfig, stages: list[str]) -> ClusterFit:
 
     import ray
 
-    if os.environ.get("RAY_ADDRESS") or ray.is_initialized():
-        where = os.environ.get("RAY_ADDRESS") or "the Ray this process already joined"
-        return ClusterFit(f"cluster: joining {where}; its CPUs and GPUs are checked once joined")
-    cpus, gpus = cfg.ray.num_cpus or os.cpu_count() or 1, local_gpus()
-    line = (f"cluster: a local Ray on this machine: {cpus} CPUs"
-            f"{' (ray.num_cpus)' if cfg.ray.num_cpus else ''}, {gpus} GPUs")
+    if ray.is_initialized():  # the Ray this process already joined: checked against it now
+        from cluster.ray_init import cluster_cpus, cluster_gpus
+
+        cpus, gpus, where = cluster_cpus(), cluster_gpus(), "the Ray this process joined"
+        line = f"cluster: {where}: {cpus} CPUs, {gpus} GPUs"
+    elif os.environ.get("RAY_ADDRESS"):
+        return ClusterFit(f"cluster: joining {os.environ['RAY_ADDRESS']}; its CPUs and GPUs are checked once joined")
+    else:
+        cpus, gpus, where = cfg.ray.num_cpus or os.cpu_count() or 1, local_gpus(), "a local Ray on this machine"
+        line = f"cluster: {where}: {cpus} CPUs{' (ray.num_cpus)' if cfg.ray.num_cpus else ''}, {gpus} GPUs"
     try:
         check_cluster(cfg, stages, cpus=cpus, gpus=gpus)
     except ConfigError as e:
-        lacks = (f"{e} (a local Ray on this machine; to use a GPU cluster, run under `ray job submit` or set "
-                 f"RAY_ADDRESS)")
+        lacks = f"{e} ({where}; to use a GPU cluster, run under `ray job submit` or set RAY_ADDRESS)"
         return ClusterFit(f"{line}; it lacks what this plan needs: {lacks}", lacks)
     return ClusterFit(line)
 

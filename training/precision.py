@@ -10,7 +10,10 @@ outweigh the casts. bench/results/step_speed.json measured both presets on an AV
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 AUTO_CPU_MIN_HIDDEN = 256
 """The narrowest hidden size at which bf16 autocast measured faster than fp32 on CPU (step_speed.json)."""
@@ -18,6 +21,8 @@ AUTO_CPU_MIN_HIDDEN = 256
 
 def cpu_has_bf16() -> bool:
     """oneDNN computes bf16 natively on this CPU (AVX512-BF16 or AMX), rather than emulating it."""
+    import torch  # here, not at the top: the plan (DeepSpeed's config) reads this module without torch
+
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
@@ -39,6 +44,8 @@ def deepspeed_bf16(asked: str, use_gpu: bool) -> bool:
 def autocast_dtype(precision: str, use_gpu: bool, deepspeed: bool) -> torch.dtype | None:
     """The dtype the engine autocasts its forward pass to, or None: on GPU under DeepSpeed the bf16 optimizer holds
     bf16 weights itself, so no autocast is needed there."""
+    import torch
+
     if precision != "bf16" or (use_gpu and deepspeed):
         return None
     return torch.bfloat16

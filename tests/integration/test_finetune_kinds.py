@@ -31,15 +31,6 @@ from stages.finetune.tasks import resolve_task
 from tests.integration.test_finetune import _context, _plain_transformers_directory
 
 REPO = Path(__file__).resolve().parents[2]
-FRESH_PROCESS = """
-import json, sys
-import mlflow, pandas as pd
-mlflow.set_tracking_uri(sys.argv[1])
-model = mlflow.pyfunc.load_model("models:/deberta-debug-tweet-names@champion")
-found = model.predict(pd.DataFrame({"text": [sys.argv[2]]}))
-import stages.finetune.kinds.token as kind
-print(kind.__file__, "ray" in sys.modules, json.dumps(found["entities"][0]), sep="\\n")
-"""
 FIXTURES = "allennlp/tests/fixtures/data"
 SEQ = 48
 
@@ -414,15 +405,6 @@ def test_token_sweep_on_deepspeed_with_sift_registers_a_tagger_of_raw_text(tiny_
     logged = float(version.tags["dev_f1"])
     assert entity_scores(gold, served)["f1"] == pytest.approx(result.metrics["best_dev_f1"], rel=1e-12)
     assert result.metrics["best_dev_f1"] == pytest.approx(logged, abs=1e-6)
-    # ... and in a fresh process the kinds' code comes from the model itself (MLflow code_paths), Ray stays out
-    probe = subprocess.run([sys.executable, "-c", FRESH_PROCESS, mlflow_server, texts[0]], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=300)
-    assert probe.returncode == 0, probe.stderr[-3000:]
-    kinds_file, ray_loaded, entities = probe.stdout.strip().splitlines()[-3:]
-    assert "/code/stages/finetune/kinds/token.py" in kinds_file and not kinds_file.startswith(str(REPO))
-    assert ray_loaded == "False"
-    assert [(e["entity_group"], e["start"], e["end"]) for e in json.loads(entities)] == \
-        [(e["entity_group"], e["start"], e["end"]) for e in predicted["entities"][0]]
 
 
 @pytest.mark.ray

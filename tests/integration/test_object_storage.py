@@ -116,7 +116,9 @@ def test_a_corpus_and_a_workdir_in_a_bucket(s3_server, corpus_files, tmp_path): 
     data = fs.open_input_stream(shard).read()
     with fs.open_output_stream(shard, compression=None) as out:
         out.write(data[: len(data) // 2])
-    res = _run([*in_bucket, "--local-dir", str(tmp_path / "l3"), "--until", "pretrain"], s3_server.env)
+    # (one pretraining worker: the plan then fits this run's 2 Ray CPUs, so the shard is what it refuses)
+    res = _run([*in_bucket, "--local-dir", str(tmp_path / "l3"), "--until", "pretrain",
+                "--set", "pretrain.num_workers=1"], s3_server.env)
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
     assert res.returncode == 2 and len(lines) == 1, res.stdout[-2000:] + res.stderr[-2000:]
     assert f"s3://{shard} has {len(data) // 2} bytes, its manifest says {len(data)}" in lines[0], lines

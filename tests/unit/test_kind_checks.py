@@ -49,3 +49,26 @@ def test_a_grid_value_is_named_as_typed(tmp_path):
     bad = pipeline_main(["--dry-run", "--workdir", str(tmp_path / "wd"), "--set", "finetune.lr=1e-05,-1"])
     assert bad.returncode == 2
     assert bad.stderr.strip() == "error: finetune.lr=1e-05,-1: each learning rate must be > 0", bad.stderr
+
+
+def test_the_kinds_code_a_model_ships_imports_on_its_own(tmp_path):
+    """`code_tree` (a registered model's `code_paths`) is self-sufficient: in an interpreter that sees only it and
+    site-packages (no `site` processing, so not this repository's editable install), every kind imports, from
+    there, and pulls in neither Ray nor torch."""
+    import site
+    import subprocess
+    import sys
+
+    from stages.finetune.kinds.base import code_tree
+
+    roots = code_tree(tmp_path / "code")
+    code = (f"import sys; sys.path[:0] = {[str(tmp_path / 'code')]!r}; sys.path += {site.getsitepackages()!r}\n"
+            "from stages.finetune.kinds import KINDS\n"
+            "print(sorted(KINDS), {type(k).__module__: sys.modules[type(k).__module__].__file__ "
+            "for k in KINDS.values()}, 'ray' in sys.modules, 'torch' in sys.modules, sep='\\n')")
+    probe = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    names, files, ray, torch = probe.stdout.splitlines()
+    assert names == "['sequence', 'span', 'token']" and ray == torch == "False"
+    assert all(f.startswith(str(tmp_path / "code")) for f in eval(files).values()), files
+    assert {p.name for p in roots} == {"stages", "core"}
