@@ -97,7 +97,7 @@ def polarity_dir(tmp_path) -> Path:
     rt = resolve_task("rotten-tomatoes")
     d = tmp_path / "polarity"
     d.mkdir()
-    for split, data, n in (("train", rt.train, 320), ("dev", rt.dev, 80)):
+    for split, data, n in (("train", rt.train, 96), ("dev", rt.dev, 48)):
         (d / f"{split}.jsonl").write_text("".join(json.dumps({"review": t, "fresh": bool(y)}) + "\n"
                                                   for t, y in zip(data.text_a[:n], data.label[:n])))
     (d / "task.json").write_text(json.dumps({"kind": "polarity"}))
