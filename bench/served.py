@@ -55,11 +55,12 @@ def squad_v2_dir(root: Path) -> Path:
     return d
 
 
-def tweet_names_dir(root: Path) -> Path:
+def tweet_names_dir(root: Path, train: int | None = None, dev: int | None = None) -> Path:
     """The WNUT-2016 tweets (the built-in's train and dev split) tagged by a rule the debug model learns, so the
     token row compares entities that exist (on WNUT's own tags the debug model tags none): a word starting with @
     or # followed by a letter or digit is a one-word `handle`; a run of words starting with an upper-case letter a
-    `cap` entity. tests/integration/test_finetune_kinds.py tags them the same way."""
+    `cap` entity. `train` / `dev`: the first that many tweets of each split (all by default); the token sweep test
+    of tests/integration/test_finetune_kinds.py takes 400 and 120."""
     import re
 
     from stages.finetune.tasks import resolve_task
@@ -67,7 +68,7 @@ def tweet_names_dir(root: Path) -> Path:
     task = resolve_task("wnut16-ner")
     d = root / "tweet-names"
     d.mkdir(parents=True)
-    for split, sentences in (("train", task.train.words), ("dev", task.dev.words)):
+    for split, sentences in (("train", task.train.words[:train]), ("dev", task.dev.words[:dev])):
         lines = []
         for words in sentences:
             prev = "O"

@@ -95,27 +95,11 @@ def wnut_conll(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tweet_names_conll(tmp_path_factory) -> Path:
     """The same 400 + 120 WNUT-2016 tweets tagged by a rule a tiny model learns in two epochs (dev entity F1
-    about 0.7 where WNUT's own tags stay at 0 at this size): a word starting with @ or # followed by a letter or
-    digit is a one-word `handle`; a run of words starting with an upper-case letter is a `cap` entity (B-cap
-    I-cap ...). Real text, tags by construction: it gives the served-is-measured check entities to compare,
-    including multi-word ones."""
-    import re
+    about 0.7 where WNUT's own tags stay at 0 at this size; `bench.served.tweet_names_dir`): real text, tags by
+    construction, so the served-is-measured check has entities to compare, multi-word ones included."""
+    from bench.served import tweet_names_dir
 
-    task = resolve_task("wnut16-ner")
-    d = tmp_path_factory.mktemp("tweets") / "tweet-names"
-    d.mkdir()
-    for name, sentences in (("train", task.train.words[:400]), ("dev", task.dev.words[:120])):
-        lines = []
-        for words in sentences:
-            prev = "O"
-            for w in words:
-                tag = ("B-handle" if re.match(r"[@#]\w", w) else
-                       ("I-cap" if prev.endswith("-cap") else "B-cap") if w[:1].isupper() else "O")
-                lines.append(f"{w}\t{tag}")
-                prev = tag
-            lines.append("")
-        (d / f"{name}.conll").write_text("\n".join(lines))
-    return d
+    return tweet_names_dir(tmp_path_factory.mktemp("tweets"), train=400, dev=120)
 
 
 # ----------------------------------------------------------------------------------------------- formats
