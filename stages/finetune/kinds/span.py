@@ -226,12 +226,16 @@ def null_threshold(diff: dict[int, float], gain: dict[int, float]) -> float:
     differences (a group of equal ones is answered together) and above all of them (always answer); each is
     returned as a value strictly between the groups it separates, the smallest of equal scores winning (as the
     script's strict improvement does). A question with no span (inf) is never answered."""
-    values = sorted({d for d in diff.values() if np.isfinite(d)})
+    group: dict[float, float] = {}  # a difference -> the gain of answering every question that has it
+    for q, d in diff.items():
+        if np.isfinite(d):
+            group[d] = group.get(d, 0.0) + gain[q]
+    values = sorted(group)
     if not values:
         return 0.0
     total, best, best_at = 0.0, 0.0, -1  # -1: never answer
     for i, v in enumerate(values):
-        total += sum(gain[q] for q, d in diff.items() if d == v)
+        total += group[v]
         if total > best:
             best, best_at = total, i
     if best_at < 0:
