@@ -3,14 +3,16 @@ by the metric code, against the dev metric the sweep logged for it, on the defau
 
     unshare --net sh -c 'ip link set lo up && .venv/bin/python -m bench.served'     # ~15 min on 2 cores
 
-One workdir, four `python -m pipeline.run --task ...` runs (the first builds corpus, vocab, tokenize and
+One workdir, five `python -m pipeline.run --task ...` runs (the first builds corpus, vocab, tokenize and
 pretraining; the others reuse them): `rotten-tomatoes` (sequence), `wnut16-ner` and a rule-tagged copy of its tweets
-(token; `tweet_names_dir`) and a SQuAD v2.0 directory passed as typed (span) on the preset's defaults. The v2.0 task is real records: the SQuAD v1.1 and Quoref questions
+(token; `tweet_names_dir`), a SQuAD v2.0 directory passed as typed (span) and `rotten-tomatoes-choice` (choice) on the
+preset's defaults. The v2.0 task is real records: the SQuAD v1.1 and Quoref questions
 allennlp 0.9.0 ships among its test fixtures, each split's questions also asked of a context of another article
 (no answer there, by construction), as tests/integration/test_finetune_kinds.py builds it. Each champion is loaded
 as users load it (`mlflow.pyfunc.load_model("models:/...@champion")`), fed the dev set as raw columns (sentences;
 words joined by single spaces; question + context), and its answers scored independently of the stage: accuracy
-from the labels, entity F1 from the served entities read back as word tags, SQuAD v2.0 F1 from the answers.
+from the labels, entity F1 from the served entities read back as word tags, SQuAD v2.0 F1 from the answers,
+multiple-choice accuracy from the answered option texts.
 Writes bench/results/served.json (or `--json PATH`) and a table.
 """
 
@@ -93,6 +95,10 @@ def served_metric(model, task) -> float:
     if task.problem == "classification":
         out = model.predict(pd.DataFrame({"sentence1": list(task.dev.text_a)}))
         return float(np.mean([p == task.labels[int(y)] for p, y in zip(out["label"], task.dev.label)]))
+    if task.problem == "choice":
+        out = model.predict(pd.DataFrame({"context": list(task.dev.context), "question": list(task.dev.question),
+                                          "options": [list(o) for o in task.dev.options]}))
+        return float(np.mean([a == o[y] for a, o, y in zip(out["answer"], task.dev.options, task.dev.label)]))
     if task.problem == "token":
         texts = [" ".join(words) for words in task.dev.words]
         served = []
@@ -132,7 +138,8 @@ def main() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     rows = []
     for spec, name in (("rotten-tomatoes", "rotten-tomatoes"), ("wnut16-ner", "wnut16-ner"),
-                       (str(tweets), "tweet-names"), (str(squad), "squad-v2")):
+                       (str(tweets), "tweet-names"), (str(squad), "squad-v2"),
+                       ("rotten-tomatoes-choice", "rotten-tomatoes-choice")):
         started = time.time()
         res = subprocess.run([sys.executable, "-m", "pipeline.run", "--workdir", str(workdir), "--task", spec],
                              env=env, capture_output=True, text=True)

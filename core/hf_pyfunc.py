@@ -28,6 +28,9 @@ interface (a fine-tuned model's is its kind's; these are the built-in kinds'):
                          "" when the model says the context holds no answer): the span search of
                          `stages/finetune/kinds/span.py` over windows overlapping by the export's `doc_stride`,
                          "no answer" when the no-answer margin is above `null_score_threshold` (chosen on dev; v2.0)
+    multiple-choice      context, question, options (a list of texts per row) -> answer (the chosen option),
+                         choice (its index), score (its probability over the options)
+                         (`stages/finetune/kinds/choice.py`)
     fill-mask            text with [MASK] -> token (best piece at the first [MASK]), score, sequence
     feature-extraction   text -> embedding (the last layer's [CLS] vector, a list of floats)
 """
@@ -75,7 +78,7 @@ class HFExport(mlflow.pyfunc.PythonModel):
         if missing:
             raise ValueError(f"input has columns {list(frame.columns)}; this model reads {self.columns} "
                              f"(missing {missing})")
-        texts = [[str(v) for v in frame[c]] for c in self.columns]
+        texts = [[_cell(v) for v in frame[c]] for c in self.columns]
         if self.kind is not None:
             return self._kind_answers(dict(zip(self.columns, texts)))
         if self.task == "fill-mask":
@@ -108,6 +111,13 @@ class HFExport(mlflow.pyfunc.PythonModel):
                 best = best[0]
             rows.append({"token": best["token_str"], "score": float(best["score"]), "sequence": best["sequence"]})
         return pd.DataFrame(rows, columns=["token", "score", "sequence"])
+
+
+def _cell(value):
+    """A DataFrame cell as the kinds read it: text, or a list of texts (e.g. a multiple-choice row's options)."""
+    if isinstance(value, str) or not hasattr(value, "__iter__"):
+        return str(value)
+    return [str(v) for v in value]
 
 
 mlflow.models.set_model(HFExport())

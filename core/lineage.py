@@ -108,13 +108,13 @@ def _tracking_uri(uri: str):
 
 
 def _hf_signature(task: str, columns: list[str], outputs: list[dict[str, Any]] | None):
-    """Inputs: the example's string columns; outputs: a fine-tuned model's from its kind (MLflow schema JSON), a
-    pretrained model's as core/hf_pyfunc.py answers for the task."""
+    """Inputs: the example's columns, text or lists of texts; outputs: a fine-tuned model's from its kind (MLflow
+    schema JSON), a pretrained model's as core/hf_pyfunc.py answers for the task."""
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, DataType, Schema
     from mlflow.types.schema import Array
 
-    inputs = Schema([ColSpec("string", c) for c in columns])
+    inputs = Schema([ColSpec(Array(DataType.string) if listed else DataType.string, c) for c, listed in columns])
     if outputs is not None:
         return ModelSignature(inputs, Schema.from_json(json.dumps(outputs)))
     if task == "fill-mask":
@@ -260,7 +260,8 @@ def _log_pyfunc_model(tracking_uri: str, run_id: str, model_id: str, hf_dir: Pat
         Model.log(
             artifact_path=None, name="model", flavor=mlflow.pyfunc, run_id=run_id, model_id=model_id,
             python_model=str(HF_PYFUNC), artifacts={"hf": str(hf_dir), "interface": str(interface)},
-            signature=_hf_signature(task, list(example.columns), outputs), input_example=example,
+            signature=_hf_signature(task, [(c, isinstance(example[c].iloc[0], (list, tuple))) for c in example.columns],
+                                     outputs), input_example=example,
             pip_requirements=[f"{p}=={metadata.version(p).split('+')[0]}" for p in HF_REQUIREMENTS],
             code_paths=[str(p) for p in code_paths] or None,
         )

@@ -1,6 +1,7 @@
 """Import from / export to HF `transformers` DeBERTa-v2 (`DebertaV2Model`, `DebertaV2ForMaskedLM` with
-`legacy=False`, `DebertaV2ForSequenceClassification`, `DebertaV2ForTokenClassification`,
-`DebertaV2ForQuestionAnswering`), tokenizer included.
+`legacy=False`, and every task head of `deberta.heads` as the HF class it names: `DebertaV2ForSequenceClassification`,
+`DebertaV2ForTokenClassification`, `DebertaV2ForQuestionAnswering`, `DebertaV2ForMultipleChoice`), tokenizer
+included.
 
 Our parameter names are HF's, so conversion is a state-dict copy; the only keys that differ are ours
 alone: the EMD's absolute position table (`emd.position_embeddings`), which HF has no place for. It is
@@ -28,15 +29,12 @@ import torch
 from torch import nn
 
 from deberta.config import DebertaConfig
-from deberta.heads import DebertaForQuestionAnswering, DebertaForSequenceClassification, DebertaForTokenClassification
+from deberta.heads import (DebertaForQuestionAnswering, DebertaForSequenceClassification,
+                           DebertaForTokenClassification, TaskHead)
 from deberta.model import DebertaForMaskedLM, DebertaModel
 
 # Keys that exist only in our models (HF has no EMD).
 OURS_ONLY_PREFIXES = ("emd.",)
-PIPELINE_TAGS = {DebertaForMaskedLM: "fill-mask", DebertaForSequenceClassification: "text-classification",
-                 DebertaForTokenClassification: "token-classification",
-                 DebertaForQuestionAnswering: "question-answering"}
-"""The transformers pipeline (and model card tag) of each exported model class; anything else: feature-extraction."""
 BACKBONE_PREFIX = "deberta."
 # HF settings our architecture fixes (relative attention only, no absolute positions at the input, GELU, no token
 # types): anything else cannot be imported faithfully.
@@ -236,23 +234,6 @@ def _cls_dropout(hc) -> float:
     return hc.hidden_dropout_prob if cls_dropout is None else cls_dropout
 
 
-def _label_config(model: nn.Module, labels: Sequence[str] | None) -> dict[str, Any]:
-    """num_labels, id2label/label2id and problem_type of a classifier's HF config, from the task's label names."""
-    if isinstance(model, DebertaForQuestionAnswering):
-        return {}
-    if getattr(model, "regression", False):
-        names = list(labels or ["score"])
-        problem = "regression"  # the text-classification pipeline then returns the raw score, not a sigmoid
-    else:
-        names = list(labels) if labels else [f"LABEL_{i}" for i in range(model.num_labels)]
-        problem = "single_label_classification"
-    if len(names) != model.num_labels or len(set(names)) != len(names):
-        raise ValueError(f"labels={names} must be {model.num_labels} distinct names, one per classifier output "
-                         f"(the task's label names, index = class id; none for regression)")
-    return {"num_labels": model.num_labels, "id2label": dict(enumerate(names)),
-            "label2id": {n: i for i, n in enumerate(names)}, "problem_type": problem}
-
-
 def to_transformers(model: nn.Module, labels: Sequence[str] | None = None,
                     drop_sift_normalisation: bool = False) -> nn.Module:
     """Ours -> the matching HF model (eval-ready copy). The EMD position table is not exported.
@@ -264,27 +245,13 @@ def to_transformers(model: nn.Module, labels: Sequence[str] | None = None,
     """
     import transformers as tf
 
-    heads = {DebertaForTokenClassification: tf.DebertaV2ForTokenClassification,
-             DebertaForQuestionAnswering: tf.DebertaV2ForQuestionAnswering}
-    if isinstance(model, (DebertaForSequenceClassification, *heads)) and model.deberta.embeddings.sift \
-            and not drop_sift_normalisation:
-        raise ValueError("to_transformers: this head was built with sift=True, which normalises word "
-                         "embeddings before the embedding LayerNorm and HF DebertaV2 cannot; pass "
-                         "drop_sift_normalisation=True to export it without (outputs move by about "
-                         "layer_norm_eps / (2 var(embedding)), relative)")
-    if type(model) in heads:
-        hf_cfg = to_hf_config(model.cfg, cls_dropout=model.classifier_dropout, **_label_config(model, labels))
-        hf_model = heads[type(model)](hf_cfg)
-    elif isinstance(model, DebertaForSequenceClassification):
-        hf_cfg = to_hf_config(
-            model.cfg,
-            cls_dropout=model.classifier_dropout,
-            pooler_dropout=model.pooler_dropout,
-            pooler_hidden_size=model.cfg.hidden_size,
-            pooler_hidden_act="gelu",
-            **_label_config(model, labels),
-        )
-        hf_model = tf.DebertaV2ForSequenceClassification(hf_cfg)
+    if isinstance(model, TaskHead):  # a task head names its HF class and its config fields (`deberta.heads`)
+        if model.deberta.embeddings.sift and not drop_sift_normalisation:
+            raise ValueError("to_transformers: this head was built with sift=True, which normalises word "
+                             "embeddings before the embedding LayerNorm and HF DebertaV2 cannot; pass "
+                             "drop_sift_normalisation=True to export it without (outputs move by about "
+                             "layer_norm_eps / (2 var(embedding)), relative)")
+        hf_model = getattr(tf, model.hf_class)(to_hf_config(model.cfg, **model.hf_config(labels)))
     elif isinstance(model, DebertaForMaskedLM):
         hf_model = tf.DebertaV2ForMaskedLM(to_hf_config(model.cfg))
     elif isinstance(model, DebertaModel):
@@ -455,7 +422,7 @@ def save_pretrained(model: nn.Module, path: str | Path, *, vocab_dir: str | Path
     path.mkdir(parents=True, exist_ok=True)
     save_tokenizer(vocab_dir, path, model_max_length or model.cfg.max_position_embeddings)
     hf_model.save_pretrained(path)
-    tag = PIPELINE_TAGS.get(type(model), "feature-extraction")
+    tag = "fill-mask" if isinstance(model, DebertaForMaskedLM) else getattr(model, "pipeline_tag", "feature-extraction")
     _model_card(path, hf_model, tag, tokenizer_len)
     return path
 

@@ -104,7 +104,7 @@ def detached_embeddings(model: nn.Module) -> Iterator[None]:
 
 
 def initial_delta(
-    shape: tuple[int, int, int], init_std: float, device: torch.device, generator: torch.Generator | None = None
+    shape: tuple[int, ...], init_std: float, device: torch.device, generator: torch.Generator | None = None
 ) -> torch.Tensor:
     """(B, T, H) float32 draw N(0, init_std²) clamped to ±2 init_std; `generator` (CPU) makes it reproducible."""
     noise = torch.randn(shape, generator=generator, device="cpu" if generator is not None else device)
@@ -130,9 +130,9 @@ def adversarial_delta(
     step_size: float = STEP_SIZE,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """δ (B, T, H) after one ascent step on Σ D(perturbed, detached clean); detached, no parameter gradient."""
-    b, t = input_ids.shape
-    delta = initial_delta((b, t, model.deberta.cfg.hidden_size), init_std, clean_logits.device, generator)
+    """δ (*input_ids.shape, H) after one ascent step on Σ D(perturbed, detached clean); detached, no parameter
+    gradient. input_ids (B, T), or (B, K, T) for a multiple-choice head."""
+    delta = initial_delta((*input_ids.shape, model.deberta.cfg.hidden_size), init_std, clean_logits.device, generator)
     delta.requires_grad_(True)
     with detached_embeddings(model):
         adv = model(input_ids, attention_mask, embedding_delta=delta)["logits"]

@@ -1,10 +1,11 @@
 """Fine-tuning tasks: a built-in name or a task directory -> `TaskRef`, read by the kind whose files it holds.
 
-Built-ins (real text from package wheels, nothing downloaded at run time): `rotten-tomatoes` and `lee-sts`
-(`kinds/sequence.py`), `wnut16-ner` (`kinds/token.py`). A directory names its kind in `task.json`
-({"kind": "classification" | "regression" | "token" | "span", ...}) or by its files: `train.tsv`/`train.jsonl`
-with a `label` column (sequence), `train.conll` or `train.jsonl` with `tokens`/`tags` (token), `train.json` in
-SQuAD's layout (span). Each kind's module describes its format.
+Built-ins (real text from package wheels, nothing downloaded at run time): each kind's `builtins`, e.g.
+`rotten-tomatoes` and `lee-sts` (`kinds/sequence.py`), `wnut16-ner` (`kinds/token.py`), `rotten-tomatoes-choice`
+(`kinds/choice.py`). A directory names its kind in `task.json` ({"kind": "classification" | "regression" |
+"token" | "span" | "choice", ...}) or by its files, tried kind by kind in `KINDS`' order: `train.jsonl` with
+`options` (choice), `train.tsv`/`train.jsonl` with a `label` column (sequence), `train.conll` or `train.jsonl`
+with `tokens`/`tags` (token), `train.json` in SQuAD's layout (span). Each kind's module describes its format.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def resolve_task(spec: str, workdir: Path | None = None) -> TaskRef:
             return kind.read_dir(path, meta)
     raise StageInputError(f"task directory {path} holds no task files: train.tsv/train.jsonl + dev (sentence "
                           f"tasks), train.conll/train.jsonl with tokens and tags + dev (token tasks) or "
-                          f"train.json/dev.json in SQuAD's layout (question answering)")
+                          f"train.json/dev.json in SQuAD's layout (question answering) or train.jsonl/dev.jsonl with "
+                          f"context, question, options and label (multiple choice)")
 
 
 def majority_baseline(task: TaskRef) -> float:

@@ -116,12 +116,12 @@ def optim_spec(ft: FinetuneConfig, config: dict[str, Any], n_train: int, world: 
 
 
 def _batch(data: Encoded, idx: np.ndarray, device, kind: TaskKind) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    ids = data.ids[idx]  # [PAD] = 0 (fixed by the vocab stage)
-    width = max(1, int((ids != 0).sum(1).max()))  # trim the padding every row shares
+    ids = data.ids[idx]  # (B, T), or (B, K, T) for K options; [PAD] = 0 (fixed by the vocab stage)
+    width = max(1, int((ids != 0).sum(-1).max()))  # trim the padding every row shares
     labels = data.label[idx]
     if kind.labels_per_position:  # trimmed with the ids
         labels = labels[:, :width]
-    ids = torch.from_numpy(ids[:, :width].astype(np.int64)).to(device)  # (B, T')
+    ids = torch.from_numpy(ids[..., :width].astype(np.int64)).to(device)  # (B, T') or (B, K, T')
     return ids, (ids != 0).long(), torch.from_numpy(labels).to(device)
 
 

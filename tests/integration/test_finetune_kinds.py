@@ -454,3 +454,54 @@ def test_span_sweep_v2_from_a_plain_transformers_directory(tiny_pretrained, ray_
                          for q, a in zip(questions, answers["answer"])])
     assert served_f1 == pytest.approx(result.metrics["best_dev_f1"], rel=1e-12)
     assert 0.0 <= result.metrics["best_dev_f1"] <= 1.0  # fractions, as every kind's metrics
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_choice_sweep_beats_the_majority_position_and_serves_what_it_measured(tiny_pretrained, ray_local,
+                                                                             mlflow_server, tmp_path, monkeypatch):
+    """The built-in multiple-choice task (four real reviews of one movie, which one liked it) through the shared
+    sweep: the champion beats the majority position, its export loads as transformers' DebertaV2ForMultipleChoice
+    with logits equal to ours, and the registered model, given raw context, question and options, answers the dev
+    questions with exactly the accuracy the sweep logged."""
+    import mlflow
+    import pandas as pd
+    from transformers import AutoModelForMultipleChoice
+
+    tracker = _tracker(mlflow_server, monkeypatch, tmp_path, "choice-sweep")
+    cfg = FinetuneConfig(task="rotten-tomatoes-choice", dropout=(0.0,), warmup_steps=(10,), lr=(2e-3,),
+                         batch_size=(16,), epochs=1, max_seq_len=SEQ, max_concurrent_trials=1, max_train_examples=640)
+    pre, vocab = tiny_pretrained
+    task = resolve_task(cfg.task)
+    out = tmp_path / "out"
+    out.mkdir()
+    result = finetune.run(cfg, model=checkpoint.load_config(pre.path / "model"),
+                          inputs={"pretrain": pre, "vocab": vocab, "task": task}, out=out,
+                          ctx=_context(tmp_path, tracker, "choice-sweep"))
+    baseline = result.metrics["baseline"]
+    assert baseline == pytest.approx(kind_of("choice").baseline(task)[0]) and baseline < 0.3
+    assert result.metrics["best_dev_accuracy"] > baseline + 0.1, result.metrics
+    # the export: transformers' multiple-choice class, logits equal to ours on dev questions
+    head = json.loads((out / "model" / "finetune.json").read_text())
+    model = task.kind.build_head(checkpoint.load_config(out / "model"), head["num_labels"], 0.0).eval()
+    model.load_state_dict(torch.load(out / "model" / "model.pt", weights_only=True))
+    _, dev = prepare_data(task, out / "model" / "tokenizer", cfg)
+    exported = AutoModelForMultipleChoice.from_pretrained(out / "hf").eval()
+    ids = torch.from_numpy(dev.ids[:8].astype(np.int64))  # (8, 4, T)
+    with torch.no_grad():
+        ours = model(ids, (ids != 0).long())["logits"]
+        theirs = exported(input_ids=ids, attention_mask=(ids != 0).long()).logits
+    assert ours.shape == (8, 4) and float((ours - theirs).abs().max()) <= 1e-5
+    # served is measured: raw texts in, the chosen option's text out, scored against the right options
+    mlflow.set_tracking_uri(mlflow_server)
+    loaded = mlflow.pyfunc.load_model("models:/deberta-debug-rotten-tomatoes-choice@champion")
+    assert loaded.metadata.get_input_schema().input_names() == ["context", "question", "options"]
+    answers = loaded.predict(pd.DataFrame({"context": list(task.dev.context), "question": list(task.dev.question),
+                                           "options": [list(o) for o in task.dev.options]}))
+    assert list(answers.columns) == ["answer", "choice", "score"] and len(answers) == len(task.dev)
+    right = [o[y] for o, y in zip(task.dev.options, task.dev.label)]
+    assert all(a == o[c] for a, o, c in zip(answers["answer"], task.dev.options, answers["choice"]))
+    accuracy = float(np.mean(answers["answer"].to_numpy() == np.asarray(right, dtype=object)))
+    version = mlflow.MlflowClient().get_model_version_by_alias("deberta-debug-rotten-tomatoes-choice", "champion")
+    assert accuracy == pytest.approx(result.metrics["best_dev_accuracy"], rel=1e-12)
+    assert float(version.tags["dev_accuracy"]) == pytest.approx(accuracy, abs=1e-6)

@@ -16,7 +16,7 @@ import transformers as tf
 
 from deberta import hf
 from deberta.config import DebertaConfig, debug
-from deberta.heads import DebertaForSequenceClassification
+from deberta.heads import DebertaForMultipleChoice, DebertaForSequenceClassification
 from deberta.model import DebertaForMaskedLM, DebertaModel, num_parameters
 from core.config import VocabConfig
 from pipeline.presets import PRESETS
@@ -124,6 +124,34 @@ def test_classification_parity(num_labels):
     torch.testing.assert_close(b["loss"], a.loss, atol=TOL, rtol=TOL)
     back = hf.from_transformers(theirs)
     assert back.num_labels == num_labels and back.classifier_dropout == 0.15
+
+
+def test_multiple_choice_parity_export_and_sift(vocab_dir, tmp_path):
+    """Ours scores each option of (B, K, T) as HF's DebertaV2ForMultipleChoice does (logits and loss), the export
+    loads with AutoModelForMultipleChoice, and SiFT's perturbation takes the (B, K, T, H) shape."""
+    from deberta.sift import sift_loss
+
+    cfg = debug(vocab_size=ROWS, share_att_key=False)
+    torch.manual_seed(0)
+    ours = DebertaForMultipleChoice(cfg, classifier_dropout=0.1).eval()
+    _randomise(ours)
+    ids, mask = _batch(cfg, b=6)
+    ids, mask = ids.view(2, 3, -1), mask.view(2, 3, -1)  # 2 questions x 3 options
+    labels = torch.tensor([2, 0])
+    path = hf.save_pretrained(ours, tmp_path / "hf", vocab_dir=vocab_dir, model_max_length=64)
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["DebertaV2ForMultipleChoice"]
+    assert "pipeline_tag: multiple-choice" in (path / "README.md").read_text()
+    theirs = tf.AutoModelForMultipleChoice.from_pretrained(path).eval()
+    with torch.no_grad():
+        a = theirs(input_ids=ids, attention_mask=mask, labels=labels)
+        b = ours(ids, mask, labels=labels)
+    assert b["logits"].shape == (2, 3)
+    torch.testing.assert_close(b["logits"], a.logits, atol=TOL, rtol=0)
+    torch.testing.assert_close(b["loss"], a.loss, atol=TOL, rtol=TOL)
+    sift = DebertaForMultipleChoice(cfg, classifier_dropout=0.0, sift=True).train()
+    out = sift(ids, mask, labels=labels)
+    adv = sift_loss(sift, ids, mask, out["logits"], sift.regression)
+    assert adv.item() > 0 and torch.isfinite(adv)
 
 
 def test_unsupported_hf_configs_are_refused():

@@ -69,6 +69,33 @@ def test_the_kinds_code_a_model_ships_imports_on_its_own(tmp_path):
     probe = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=120)
     assert probe.returncode == 0, probe.stderr[-2000:]
     names, files, ray, torch = probe.stdout.splitlines()
-    assert names == "['sequence', 'span', 'token']" and ray == torch == "False"
+    assert names == "['choice', 'sequence', 'span', 'token']" and ray == torch == "False"
     assert all(f.startswith(str(tmp_path / "code")) for f in eval(files).values()), files
     assert {p.name for p in roots} == {"stages", "core"}
+
+
+def test_a_multiple_choice_directory_reads_indices_and_letters_and_refuses_what_it_cannot(tmp_path):
+    """JSONL with "options" is the choice kind (before the sequence kind, which claims other JSONL); labels are
+    indices or RACE's letters; a bad label, too few options or mixed option counts are one line naming the fix."""
+    import json
+
+    from core.errors import StageInputError
+    from stages.finetune.tasks import resolve_task
+
+    def write(d, train, dev):
+        d.mkdir()
+        for split, rows in (("train", train), ("dev", dev)):
+            (d / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(d)
+
+    q = {"context": "Reviews of Heat.", "question": "Which review liked it?", "options": ["dull", "superb", "bad"]}
+    task = resolve_task(write(tmp_path / "ok", [{**q, "label": 1}, {**q, "label": "C"}], [{**q, "label": "a"}]))
+    assert task.kind is KINDS["choice"] and task.num_labels == 1
+    assert task.train.label == (1, 2) and task.dev.label == (0,) and task.dev.options == (("dull", "superb", "bad"),)
+    for name, rows, message in (
+            ("label", [{**q, "label": 3}], r"line 1: label 3 names no option of the 3 given; use 0..2"),
+            ("letter", [{**q, "label": "maybe"}], r"neither an option index \(0..2\) nor a letter \(A..C\)"),
+            ("one", [{**q, "options": ["only"], "label": 0}], "at least two non-empty texts"),
+            ("mixed", [{**q, "label": 0}, {**q, "options": ["a", "b"], "label": 0}], r"\[2, 3\] options")):
+        with pytest.raises(StageInputError, match=message):
+            resolve_task(write(tmp_path / name, rows, [{**q, "label": 0}]))

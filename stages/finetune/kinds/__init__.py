@@ -3,16 +3,17 @@
     sequence.py  one label or score per text or text pair (GLUE; DeBERTa §5.1)
     token.py     a label per word, e.g. named entities (CoNLL-2003; DeBERTa §5.2)
     span.py      extractive question answering (SQuAD v1.1 / v2.0; DeBERTa §5.2)
+    choice.py    multiple choice: one right option of K (RACE, SWAG; DeBERTa §5.1.1)
 
 A new kind: a file with a `TaskKind` subclass and its instance `KIND`, listed in `KINDS` below.
 """
 
 from __future__ import annotations
 
-from stages.finetune.kinds import sequence, span, token
+from stages.finetune.kinds import choice, sequence, span, token
 from stages.finetune.kinds.base import TaskKind
 
-KINDS: dict[str, TaskKind] = {k.name: k for k in (sequence.KIND, token.KIND, span.KIND)}
+KINDS: dict[str, TaskKind] = {k.name: k for k in (choice.KIND, sequence.KIND, token.KIND, span.KIND)}
 """Kind name -> kind, in the order a task directory's files are tried."""
 
 

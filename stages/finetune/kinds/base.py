@@ -96,7 +96,7 @@ class Encoded:
     map row outputs back to examples (word positions, character offsets, gold answers; a sequence's problem).
     """
 
-    ids: np.ndarray  # (N, T) int32
+    ids: np.ndarray  # (N, T) int32; (N, K, T) when each example is K rows (the K options of multiple choice)
     label: np.ndarray
     meta: Any = None
 
@@ -209,8 +209,8 @@ class TaskKind:
         out: list[np.ndarray] = []
         for b in range(0, len(ids), batch):
             chunk = ids[b:b + batch]  # [PAD] = 0 (fixed by the vocab stage)
-            width = max(1, int((chunk != 0).sum(1).max()))
-            t = torch.from_numpy(chunk[:, :width].astype(np.int64))  # (B, T')
+            width = max(1, int((chunk != 0).sum(-1).max()))
+            t = torch.from_numpy(chunk[..., :width].astype(np.int64))  # (B, T'), or (B, K, T') for K options
             mask = (t != 0).long()
             with torch.inference_mode():
                 out += self.row_outputs(forward(t, mask).float(), mask)
