@@ -73,6 +73,10 @@ PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 PRECISIONS = ("auto", "fp32", "bf16")
 
 
+PROBE_FIELDS = ("probes", "probe_interval", "probe_examples", "probe_epochs", "probe_lr", "probe_batch_size",
+                "probe_warmup_steps", "probe_seeds", "probe_max_seq_len", "probe_cpus", "probe_gpus")
+
+
 def check_zero_stage(stage: int, section: str) -> None:
     _check(stage in ZERO_STAGES, f"{section}.zero_stage={stage}: DeepSpeed ZeRO stages are 0, 1, 2 and 3 "
                                  f"(2 shards optimizer state + gradients, 3 also parameters)")
@@ -284,10 +288,36 @@ class PretrainConfig(Section):
     column; relative positions inside a document unchanged). Off by default: today's results stay as they were.
     Read by the objectives that say so (`reads_documents`: mlm; the RTD pair and SOP's one-document rows do not)."""
 
+    probes: tuple[str, ...] = ()
+    """Fine-tuning tasks to probe the run with (built-in names or task directories, any kind; `stages.pretrain.probes`):
+    at step 0 (the from-scratch control) and every `probe_interval` steps the newest checkpoint is fine-tuned on
+    each by the finetune stage's trial code, beside training, and `probe.<task>.<metric>` logged against the step.
+    Empty (the default): no probes, nothing added to the run."""
+    probe_interval: int = 1_000
+    """Steps between probes; a multiple of `ckpt_interval` (a probe reads a checkpoint). The last step is probed too."""
+    probe_examples: int | None = 200
+    """Label budget: training rows each probe fine-tunes on (a fixed-seed sample; None: all)."""
+    probe_epochs: int = 3
+    """Fine-tuning epochs of each probe trial (the best epoch's dev metric counts, as in the finetune stage)."""
+    probe_lr: tuple[float, ...] = (1e-4,)
+    """The probes' fixed grid of learning rates: the best grid point's seed mean is logged (the stage's selection)."""
+    probe_batch_size: int = 16
+    probe_warmup_steps: int = 10
+    probe_seeds: tuple[int, ...] = (0, 1, 2)
+    """Seeds of each grid point: the mean is logged as `probe.<task>.<metric>`, the spread as `..._std`."""
+    probe_max_seq_len: int = 128
+    """Tokens per probe example ([CLS]/[SEP] included)."""
+    probe_cpus: int = 1
+    """CPUs per probe trial (one Ray task each)."""
+    probe_gpus: float = 0.0
+    """GPUs per probe trial: 0 (CPUs), 1 (a GPU of its own: they wait for a free one), or a fraction (sharing a
+    training GPU's memory; docs/pretraining.md)."""
+
     HOW: ClassVar[frozenset[str]] = frozenset({"log_interval", "eval_interval", "eval_batches", "ckpt_interval",
                                                "max_failures", "cpus_per_worker", "placement_strategy", "init",
-                                               "generator_init", "compile"})
-    """`init` and `generator_init` name where the weights come from; their digests are the stage's inputs."""
+                                               "generator_init", "compile", *PROBE_FIELDS})
+    """`init` and `generator_init` name where the weights come from; their digests are the stage's inputs. The probes
+    measure the run without changing its weights."""
 
     def check(self) -> None:
         check_zero_stage(self.zero_stage, "pretrain")
@@ -301,6 +331,7 @@ class PretrainConfig(Section):
         _check(self.placement_strategy in PLACEMENTS,
                f"pretrain.placement_strategy={self.placement_strategy!r}: use one of {', '.join(PLACEMENTS)}")
         _check(self.precision in PRECISIONS, f"pretrain.precision={self.precision!r}: use one of {', '.join(PRECISIONS)}")
+        check_probes(self)
 
 
 @dataclass(frozen=True)
@@ -538,6 +569,29 @@ def check_finetune_trainer(f: FinetuneConfig) -> None:
                        f"use batch sizes that are multiples of {workers} or fewer workers")
 
 
+def check_probes(p: "PretrainConfig") -> None:
+    """pretrain.probe_*, when probes are on; the tasks themselves are read before Ray starts
+    (`pipeline.run.external_inputs`)."""
+    if not p.probes:
+        return
+    _check(len(set(p.probes)) == len(p.probes), f"pretrain.probes={','.join(p.probes)}: a task is named twice")
+    _positive("pretrain", p, "probe_interval", "probe_epochs", "probe_batch_size", "probe_cpus")
+    _check(p.probe_interval % p.ckpt_interval == 0,
+           f"pretrain.probe_interval={p.probe_interval} must be a multiple of pretrain.ckpt_interval={p.ckpt_interval} "
+           f"(a probe fine-tunes a checkpoint); e.g. pretrain.probe_interval="
+           f"{p.ckpt_interval * max(1, round(p.probe_interval / p.ckpt_interval))}")
+    _check(p.probe_examples is None or p.probe_examples >= 1,
+           f"pretrain.probe_examples={p.probe_examples}: must be >= 1 (or none for all the task's examples)")
+    _check(len(p.probe_lr) > 0 and all(lr > 0 for lr in p.probe_lr),
+           f"pretrain.probe_lr={_plain(p.probe_lr)}: give at least one learning rate, each > 0")
+    _check(len(p.probe_seeds) > 0, "pretrain.probe_seeds is empty: give at least one seed")
+    _check(p.probe_warmup_steps >= 0, f"pretrain.probe_warmup_steps={p.probe_warmup_steps}: must be >= 0")
+    _check(p.probe_max_seq_len >= 3, f"pretrain.probe_max_seq_len={p.probe_max_seq_len}: needs room for [CLS], a "
+                                     f"token and [SEP] (>= 3)")
+    _check(p.probe_gpus == 0 or (p.use_gpu and 0 < p.probe_gpus <= 1),
+           f"pretrain.probe_gpus={p.probe_gpus}: a share of one GPU in (0, 1], with pretrain.use_gpu=true (or 0: CPUs)")
+
+
 def validate(cfg: PipelineConfig) -> None:
     """Every section's own checks, then the invariants across sections; run before any stage."""
     for name in SECTIONS:
@@ -551,7 +605,8 @@ def validate(cfg: PipelineConfig) -> None:
     p = cfg.pretrain
     _check(not p.sop or t.segment_pairs, "pretrain.sop=true needs segment pairs in the token shards; set "
                                          "tokenize.segment_pairs=true (or pretrain.sop=false)")
-    for key, length in (("tokenize.max_seq_len", t.max_seq_len), ("finetune.max_seq_len", f.max_seq_len)):
+    for key, length in (("tokenize.max_seq_len", t.max_seq_len), ("finetune.max_seq_len", f.max_seq_len),
+                        *((("pretrain.probe_max_seq_len", p.probe_max_seq_len),) if p.probes else ())):
         _check(length <= m.max_position_embeddings,
                f"{key}={length} exceeds model.max_position_embeddings={m.max_position_embeddings}; "
                f"lower {key} or raise model.max_position_embeddings")
@@ -571,6 +626,10 @@ def check_cluster(cfg: PipelineConfig, stages: list[str], cpus: int, gpus: int) 
                f"pretrain needs more than {held} Ray CPUs (num_workers x cpus_per_worker) so Ray Data can feed "
                f"the workers, but the cluster has {cpus}; set ray.num_cpus={held + 2} for a local Ray, "
                f"or lower pretrain.num_workers")
+        _check(not p.probes or cpus >= p.probe_cpus,
+               f"a probe trial needs pretrain.probe_cpus={p.probe_cpus} Ray CPUs but the cluster has {cpus}; lower it")
+        _check(not p.probes or not p.probe_gpus or gpus >= 1,
+               f"pretrain.probe_gpus={p.probe_gpus} but the Ray cluster has no GPU; set pretrain.probe_gpus=0")
     if "finetune" in stages:
         workers = trial_workers(f)
         _check(cpus >= f.cpus_per_trial * workers,

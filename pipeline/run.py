@@ -295,6 +295,7 @@ def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path
     from core.init_checkpoint import resolve_init
     from stages.finetune import check_task
     from stages.finetune.tasks import resolve_task
+    from stages.pretrain.probes import resolve_probes
 
     init = cfg.finetune.init
     objects, ids = {}, {}
@@ -316,6 +317,8 @@ def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path
                 fingerprint = [["builtin:news", file_digest(builtin)]]
             objects["raw"] = raw
             ids["raw"] = artifact_id("raw", RAW_ID_VERSION, fingerprint, {})
+        if "pretrain" in planned and cfg.pretrain.probes:
+            resolve_probes(cfg.pretrain, workdir)  # each probe task read and checked as the finetune stage would
         if "finetune" in planned:
             task = resolve_task(cfg.finetune.task, workdir)
             check_task(cfg.finetune, task)  # what the task's kind needs of the settings (`TaskKind.check`)

@@ -14,6 +14,7 @@ The package, one thing per file:
     checkpoints.py what a checkpoint holds, saving one, listing a run's and restoring the newest that verifies
     data.py        the order the tokenised train shards are read in: a permutation per epoch, rows by index
     registry.py    metrics.json, the loss curve and the registry version
+    probes.py      `pretrain.probes`: checkpoints fine-tuned on tasks beside training, probe.<task>.<metric> per step
     estimates.py   --dry-run: parameters, DeepSpeed's memory estimates, time
 The DeepSpeed config comes from `training/deepspeed_config.py`, the engine from `training/engine.py`.
 
@@ -26,6 +27,7 @@ Artifact:
     hf/                                 transformers export; the objective's further directories (its module says)
     metrics.json                        final train/validation numbers, throughput, where it ran
     loss_curve.png                      train loss and validation loss per step
+    probes.png, probes.json             with pretrain.probes: each probe's dev metric per step (`probes.py`)
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from stages.pretrain.continued import init_tags, initial_weights, prepare
 from stages.pretrain.estimates import dry_run
 from stages.pretrain.objective import Objective
 from stages.pretrain.objectives import check_config, objective_for
+from stages.pretrain.probes import Probes, resolve_probes, start_watching, with_probes
 from stages.pretrain.registry import finish
 from training.deepspeed_config import DeepSpeedConfig, build_deepspeed_config
 
@@ -177,8 +180,16 @@ def run(cfg: PretrainConfig, *, model: DebertaConfig, inputs: dict[str, Artifact
                     shards=inputs["tokenize"] if inputs["tokenize"].uri else None)
     set_aside_cut_short_snapshot(job.run_dir)
     ctx.tracker.log_dict({"deepspeed": ds_config.to_dict(), "seq_len": seq_len}, "deepspeed_config.json")
+    probes = Probes(cfg, job.objective, resolve_probes(cfg, Path(ctx.workdir)), job.run_dir, ctx.tracker, ds_config,
+                    Path(inputs["vocab"].path), model, init_file) if cfg.probes else None
     started = time.time()
-    result = _trainer(cfg, job, ctx).fit()
+    watching = start_watching(probes) if probes else None  # a thread beside fit(): checkpoints -> probe trials
+    try:
+        result = _trainer(cfg, job, ctx).fit()
+    finally:
+        if watching:
+            watching[1].set()
+            watching[0].join()
     if result.checkpoint is None:
         raise RuntimeError(f"training ended without a checkpoint (error: {result.error})")
     print(f"[pretrain] training finished in {time.time() - started:.0f}s; consolidating {result.checkpoint.path}",
@@ -189,7 +200,10 @@ def run(cfg: PretrainConfig, *, model: DebertaConfig, inputs: dict[str, Artifact
         raise RuntimeError(f"last checkpoint is {state.tag}, expected step{cfg.max_steps}")
     hf_note = write_outputs(out, job.objective, model, state_dict, inputs["vocab"])
     print(f"[pretrain] artifact written after {time.time() - started:.0f}s; logging to MLflow", flush=True)
-    return finish(cfg, job.objective, out, ctx, result.metrics, seq_len, hf_note,
+    done = finish(cfg, job.objective, out, ctx, result.metrics, seq_len, hf_note,
                   init_tags(inputs, notes) if init_file else {})
+    if probes:
+        probes.finish(state.step, state_dict)
+    return with_probes(done, probes, out, ctx) if probes else done
 
 

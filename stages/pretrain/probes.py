@@ -1,0 +1,342 @@
+"""Probes: the pretraining run measured in task terms (`pretrain.probes`).
+
+At step 0 (the model's initial weights: the from-scratch control, or the released checkpoint a continued run starts
+from) and at every `probe_interval` steps, the newest checkpoint's backbone is fine-tuned on each probe task by the
+finetune stage's own trial code (`stages.finetune.trial`: `trial_engine`, `run_epochs`; the same kinds, heads and dev
+metrics), on a fixed small grid (`probe_lr`) x `probe_seeds`, with `probe_examples` training rows. Each (grid point,
+seed) is one Ray task of `probe_cpus` CPUs (and `probe_gpus` GPUs): the tasks wait in Ray's queue while the training
+workers hold the cluster and never hold training up. The grid point with the best seed mean is logged against the
+pretraining step as `probe.<task>.<metric>` (mean over seeds) and `probe.<task>.<metric>_std` (their spread), as the
+finetune stage selects its champion; Tune is not used: a probe is a handful of short trials whose results only this
+driver reads.
+
+The driver watches the run's checkpoints from a thread beside `TorchTrainer.fit()` (`Probes.watch`): a checkpoint of a
+probe step is consolidated on the driver as soon as it is listed (Ray Train keeps only the last two) and its backbone
+put in the object store for the trials. A finished (step, task) is recorded in `probes.json` in the run's storage
+directory (written to a temporary name, then renamed): a restarted stage logs it again into the plot but never
+re-probes it. A probe still running when the driver dies is run again if its checkpoint is still kept.
+
+`plot` draws each probe's metric against the step, the validation MLM loss on a second axis (probes.png).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from core.config import FinetuneConfig, PretrainConfig
+
+if TYPE_CHECKING:
+    from stages.finetune.kinds.base import Encoded, TaskRef
+    from stages.finetune.trial import TrialSetup
+    from stages.pretrain.objective import Objective
+
+LEDGER = "probes.json"
+"""In the run's storage directory: the finished probes, {step: {task: result}}."""
+
+
+def finetune_config(p: PretrainConfig, task: str) -> FinetuneConfig:
+    """The finetune stage's settings a probe trial runs with: the probes' fixed grid, one dropout and warmup."""
+    return FinetuneConfig(task=task, dropout=(0.1,), warmup_steps=(p.probe_warmup_steps,), lr=p.probe_lr,
+                          batch_size=(p.probe_batch_size,), seeds=p.probe_seeds, epochs=p.probe_epochs,
+                          max_seq_len=p.probe_max_seq_len, doc_stride=p.probe_max_seq_len // 4,
+                          max_train_examples=p.probe_examples, cpus_per_trial=p.probe_cpus,
+                          use_gpu=p.probe_gpus > 0, precision=p.precision)
+
+
+def resolve_probes(p: PretrainConfig, workdir: Path | None = None) -> list["TaskRef"]:
+    """The probe tasks, each checked against its settings as the finetune stage checks its task (StageInputError)."""
+    from stages.finetune import check_task
+    from stages.finetune.tasks import resolve_task
+
+    tasks = []
+    for name in p.probes:
+        task = resolve_task(name, workdir)
+        check_task(finetune_config(p, name), task)
+        tasks.append(task)
+    return tasks
+
+
+def probe_steps(p: PretrainConfig) -> list[int]:
+    """0, every probe_interval, and the last step."""
+    return sorted({0, *range(p.probe_interval, p.max_steps + 1, p.probe_interval), p.max_steps})
+
+
+def backbone(objective: "Objective", state_dict: dict) -> dict:
+    """The `deberta.*` tensors a task head starts from (RTD: the discriminator's, its embeddings merged)."""
+    from deberta import checkpoint
+
+    if objective.name == "rtd":
+        from deberta.rtd import discriminator_weights
+
+        state_dict = discriminator_weights(state_dict, objective.cfg.embedding_sharing)
+        state_dict = {f"{checkpoint.BACKBONE_PREFIX}{k}": v for k, v in state_dict.items()}
+    return {k: v.detach().float().contiguous() for k, v in state_dict.items()
+            if k.startswith(checkpoint.BACKBONE_PREFIX)}
+
+
+def initial_backbone(objective: "Objective", model, seed: int, init_file: str = "") -> dict:
+    """Step 0: the objective's model as the run starts it (seeded as `training.engine.build` seeds it; a continued
+    run's starting weights loaded)."""
+    import torch
+
+    factory, _ = objective.build_model(model)
+    torch.manual_seed(seed)
+    net = factory()
+    if init_file:
+        from stages.pretrain.continued import SafetensorsFile
+
+        net.load_state_dict(dict(SafetensorsFile(init_file)), strict=False)
+    return backbone(objective, net.state_dict())
+
+
+def probe_trial(setup: "TrialSetup", config: dict[str, Any], data: tuple["Encoded", "Encoded"],
+                weights: dict) -> dict[str, Any]:
+    """One Ray task: one grid point and seed fine-tuned by the finetune stage's loop; the best epoch's dev metrics."""
+    import torch
+
+    from stages.finetune.trial import optim_spec, run_epochs, trial_engine
+
+    torch.set_num_threads(setup.ft.cpus_per_trial)
+    device = "cuda" if setup.ft.use_gpu and torch.cuda.is_available() else "cpu"
+    engine = trial_engine(setup, config, weights, optim_spec(setup.ft, config, len(data[0])), device=device)
+    epochs: list[dict[str, Any]] = []
+    run_epochs(engine, data, setup, config, lambda result, *_: epochs.append(result))
+    key = f"dev_{setup.metric}"
+    best = max(epochs, key=lambda r: r[key])
+    return {"value": float(best[key]), "epoch": int(best["epoch"])}
+
+
+def summarize(task: "TaskRef", trials: dict[tuple[float, int], float]) -> dict[str, Any]:
+    """{(lr, seed): dev metric} -> the grid point with the best seed mean: its mean, spread (sample std) and seeds."""
+    lrs = sorted({lr for lr, _ in trials})
+    means = {lr: float(np.mean([v for (l, _), v in trials.items() if l == lr])) for lr in lrs}
+    lr = max(lrs, key=lambda x: means[x])
+    values = [v for (l, _), v in sorted(trials.items()) if l == lr]
+    return {"metric": task.metric, "mean": means[lr], "std": float(np.std(values, ddof=1)) if len(values) > 1 else 0.0,
+            "lr": lr, "per_seed": {str(s): v for (l, s), v in sorted(trials.items()) if l == lr}}
+
+
+# ----------------------------------------------------------------------------------------------- the ledger
+
+def read_ledger(run_dir: str) -> dict[int, dict[str, Any]]:
+    from training.checkpoint_files import storage_fs
+
+    fs, path = storage_fs(run_dir)
+    try:
+        with fs.open_input_stream(f"{path}/{LEDGER}") as f:
+            return {int(k): v for k, v in json.loads(f.read()).items()}
+    except (OSError, ValueError):  # none yet (a ledger cut short is not possible: it is renamed into place)
+        return {}
+
+
+def write_ledger(run_dir: str, ledger: dict[int, dict[str, Any]]) -> None:
+    """Written whole to a temporary name, then renamed over the old one: never seen half-written."""
+    from training.checkpoint_files import storage_fs
+
+    fs, path = storage_fs(run_dir)
+    fs.create_dir(path, recursive=True)
+    with fs.open_output_stream(f"{path}/{LEDGER}.tmp", compression=None) as f:
+        f.write(json.dumps({str(k): ledger[k] for k in sorted(ledger)}, indent=1, sort_keys=True).encode())
+    fs.move(f"{path}/{LEDGER}.tmp", f"{path}/{LEDGER}")
+
+
+# ----------------------------------------------------------------------------------------------- the driver's side
+
+@dataclass
+class Probes:
+    """The probes of one pretraining run, on its driver: submits, collects, logs, records."""
+
+    cfg: PretrainConfig
+    objective: "Objective"
+    tasks: list["TaskRef"]
+    run_dir: str
+    tracker: Any
+    ds_config: Any
+    tok_dir: Path
+    model: Any
+    init_file: str = ""
+    ledger: dict[int, dict[str, Any]] = field(default_factory=dict)
+    pending: dict[Any, tuple[int, str, float, int]] = field(default_factory=dict)
+    """Ray object ref -> (step, task, lr, seed)."""
+    trials: dict[tuple[int, str], dict[tuple[float, int], float]] = field(default_factory=dict)
+    submitted: set[int] = field(default_factory=set)
+    data_refs: dict[str, Any] = field(default_factory=dict)
+    setups: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def start(self) -> None:
+        """Encode each task once (the run's vocabulary), read the ledger, log what it holds, probe step 0."""
+        import ray
+
+        from deberta import checkpoint as _  # noqa: F401  (torch, before any thread does)
+        from stages.finetune.data import prepare_data
+        from stages.finetune.trial import TrialSetup
+
+        for task in self.tasks:
+            ft = finetune_config(self.cfg, task.name)
+            self.data_refs[task.name] = ray.put(prepare_data(task, self.tok_dir, ft))
+            self.setups[task.name] = TrialSetup(self.model, task.num_labels, task.kind, task.metric, ft)
+        self.ledger = read_ledger(self.run_dir)
+        done = sorted(s for s, r in self.ledger.items() if set(r) >= {t.name for t in self.tasks})
+        if done:
+            print(f"[pretrain] probes of steps {done} finished before (in {self.run_dir}/{LEDGER}); not run again",
+                  flush=True)
+        self.submitted.update(done)
+        if 0 not in self.submitted:
+            self.submit(0, initial_backbone(self.objective, self.model, self.cfg.seed, self.init_file))
+
+    def submit(self, step: int, weights: dict) -> None:
+        import ray
+
+        ref = ray.put(weights)
+        remote = ray.remote(probe_trial).options(num_cpus=self.cfg.probe_cpus, num_gpus=self.cfg.probe_gpus,
+                                                 max_retries=1)
+        for task in self.tasks:
+            if task.name in self.ledger.get(step, {}):
+                continue
+            for lr in self.cfg.probe_lr:
+                for seed in self.cfg.probe_seeds:
+                    config = {"lr": lr, "seed": seed, "dropout": 0.1, "batch_size": self.cfg.probe_batch_size,
+                              "warmup_steps": self.cfg.probe_warmup_steps}
+                    out = remote.remote(self.setups[task.name], config, self.data_refs[task.name], ref)
+                    self.pending[out] = (step, task.name, lr, seed)
+        self.submitted.add(step)
+        print(f"[pretrain] probing step {step}: {len(self.tasks)} task(s) x {len(self.cfg.probe_lr)} lr x "
+              f"{len(self.cfg.probe_seeds)} seeds queued", flush=True)
+
+    def collect(self, timeout: float = 0) -> None:
+        """Results of finished trials; a (step, task) with all its trials in is logged and recorded."""
+        import ray
+
+        if not self.pending:
+            return
+        ready, _ = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=timeout)
+        for ref in ready:
+            step, name, lr, seed = self.pending.pop(ref)
+            self.trials.setdefault((step, name), {})[(lr, seed)] = ray.get(ref)["value"]
+            if len(self.trials[(step, name)]) == len(self.cfg.probe_lr) * len(self.cfg.probe_seeds):
+                task = next(t for t in self.tasks if t.name == name)
+                result = summarize(task, self.trials.pop((step, name)))
+                key = f"probe.{name}.{result['metric']}"
+                self.tracker.log_metrics({key: result["mean"], f"{key}_std": result["std"]}, step=step)
+                self.ledger.setdefault(step, {})[name] = result
+                write_ledger(self.run_dir, self.ledger)
+                print(f"[pretrain] probe step {step}: {key} = {result['mean']:.4f} ± {result['std']:.4f} "
+                      f"(lr {result['lr']:g}, {len(self.cfg.probe_seeds)} seeds)", flush=True)
+
+    def checkpoints_to_probe(self) -> None:
+        """Newly listed checkpoints of probe steps, once every rank's files are in: consolidated now (Ray Train
+        deletes all but the last two)."""
+        from stages.pretrain.checkpoints import TrainState, checkpoints_in, saved_step
+        from training import checkpoint_files
+        from training.engine import consolidated_state_dict
+
+        wanted = set(probe_steps(self.cfg)) - self.submitted
+        fs, path = checkpoint_files.storage_fs(self.run_dir)
+        for ckpt in checkpoints_in(fs, path):
+            if saved_step(ckpt.filesystem, ckpt.path) not in wanted:  # the state file alone, nothing downloaded
+                continue
+            try:
+                with ckpt.as_directory() as d:
+                    if checkpoint_files.problem(Path(d), self.cfg.num_workers, range(0)):
+                        continue  # a rank's files not in yet: the next look
+                    state = TrainState.read(Path(d))
+                    weights = backbone(self.objective, consolidated_state_dict(Path(d), state.tag, self.ds_config))
+            except (OSError, ValueError, RuntimeError, KeyError) as e:  # deleted as it was read
+                self.notes.append(f"{ckpt.path}: {e}")
+                continue
+            wanted.discard(state.step)
+            self.submit(state.step, weights)
+
+    def watch(self, stop: threading.Event, every: float = 1.0) -> None:
+        """The thread beside `fit()`: probe new checkpoints, collect results, until `stop`."""
+        while not stop.is_set():
+            try:
+                self.checkpoints_to_probe()
+                self.collect()
+            except Exception as e:  # noqa: BLE001  (a probe must never take the training run down)
+                print(f"[pretrain] probes: {type(e).__name__}: {e}", flush=True)
+            stop.wait(every)
+
+    def finish(self, final_step: int, final_state: dict) -> None:
+        """After training: the last step (from the driver's consolidated weights) if not yet probed, then every
+        result in."""
+        if final_step not in self.submitted:
+            self.submit(final_step, backbone(self.objective, final_state))
+        while self.pending:
+            self.collect(timeout=5)
+        missing = sorted(set(probe_steps(self.cfg)) - set(self.ledger))
+        if missing:
+            print(f"[pretrain] probes of steps {missing} were not run: their checkpoints were gone before the driver "
+                  f"read them (raise pretrain.ckpt_interval, or see {self.notes[-1:] or 'the log'})", flush=True)
+
+
+def start_watching(probes: Probes) -> tuple[threading.Thread, threading.Event]:
+    stop = threading.Event()
+    probes.start()
+    thread = threading.Thread(target=probes.watch, args=(stop,), name="probes", daemon=True)
+    thread.start()
+    return thread, stop
+
+
+# ----------------------------------------------------------------------------------------------- the picture
+
+def plot(ledger: dict[int, dict[str, Any]], val_loss: list[tuple[int, float]], path: Path, title: str = "") -> None:
+    """Each probe's dev metric (seed mean, spread as error bars) against the pretraining step; the validation MLM
+    loss on a second axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = sorted({name for results in ledger.values() for name in results})
+    for name in names:
+        steps = sorted(s for s in ledger if name in ledger[s])
+        rows = [ledger[s][name] for s in steps]
+        ax.errorbar(steps, [r["mean"] for r in rows], yerr=[r["std"] for r in rows], marker="o", capsize=3,
+                    label=f"{name} dev {rows[0]['metric']}")
+    ax.set_xlabel("pretraining step")
+    ax.set_ylabel("probe dev metric (seed mean ± std)")
+    if val_loss:
+        loss = ax.twinx()
+        points = dict(val_loss)
+        steps = sorted(points)
+        loss.plot(steps, [points[s] for s in steps], "--", color="grey", label="validation MLM loss")
+        loss.set_ylabel("validation MLM loss")
+        loss.legend(loc="upper center")
+    ax.legend(loc="lower right")
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def summary_line(ledger: dict[int, dict[str, Any]]) -> str:
+    """`make run`'s summary: each probe from step 0 to the last step probed."""
+    parts = []
+    for name in sorted({n for r in ledger.values() for n in r}):
+        steps = sorted(s for s in ledger if name in ledger[s])
+        first, last = ledger[steps[0]][name], ledger[steps[-1]][name]
+        parts.append(f"{name} {first['metric']} {first['mean']:.3f} (step {steps[0]}) -> {last['mean']:.3f} ± "
+                     f"{last['std']:.3f} (step {steps[-1]})")
+    return "; ".join(parts) + " (probes.png)"
+
+
+def with_probes(result, probes: Probes, out: Path, ctx) -> Any:
+    """The stage's result with the probes' plot logged and their line in the summary."""
+    from stages.pretrain.registry import metric_history
+
+    plot(probes.ledger, metric_history(ctx, "val_loss"), out / "probes.png", f"probes: {ctx.preset}, {ctx.artifact_id}")
+    ctx.tracker.log_artifact(out / "probes.png")
+    (out / LEDGER).write_text(json.dumps({str(k): probes.ledger[k] for k in sorted(probes.ledger)}, indent=1,
+                                         sort_keys=True) + "\n")
+    return replace(result, summary={**result.summary, "probes": summary_line(probes.ledger)})
