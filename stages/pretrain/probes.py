@@ -335,8 +335,10 @@ def with_probes(result, probes: Probes, out: Path, ctx) -> Any:
     """The stage's result with the probes' plot logged and their line in the summary."""
     from stages.pretrain.registry import metric_history
 
-    plot(probes.ledger, metric_history(ctx, "val_loss"), out / "probes.png", f"probes: {ctx.preset}, {ctx.artifact_id}")
+    val_loss = metric_history(ctx, "val_loss")
+    plot(probes.ledger, val_loss, out / "probes.png", f"probes: {ctx.preset}, {ctx.artifact_id}")
     ctx.tracker.log_artifact(out / "probes.png")
-    (out / LEDGER).write_text(json.dumps({str(k): probes.ledger[k] for k in sorted(probes.ledger)}, indent=1,
-                                         sort_keys=True) + "\n")
+    (out / LEDGER).write_text(json.dumps({"steps": {str(k): probes.ledger[k] for k in sorted(probes.ledger)},
+                                          "val_loss": {str(s): v for s, v in sorted(dict(val_loss).items())}},
+                                         indent=1, sort_keys=True) + "\n")
     return replace(result, summary={**result.summary, "probes": summary_line(probes.ledger)})

@@ -455,10 +455,18 @@ def test_zero3_survives_worker_loss_and_stage_restart(ray_cluster_2_nodes, s3_se
     half (a node lost mid-write, a bad disk), as is Ray Train's checkpoint snapshot (the driver killed while
     writing it), and run again: it sets the snapshot aside, skips that checkpoint, says so, and resumes from the
     one before (not step 0). Every re-run step repeats its first loss: model, optimizer, scheduler and data
-    position were all restored."""
+    position were all restored.
+    Probes on (a token task directory of 48 real tweets): logged at step 0, 30 and 60, each once - the first
+    driver is stopped after finishing step 0's, and the restarted stage does not probe it again - with the plot."""
+    from bench.served import tweet_names_dir
+
     # 60 steps: a step takes ~0.2 s here, and Ray Train registers a checkpoint in the bucket a few seconds after the
     # workers report it; at 30 a run under load could finish before the test saw the checkpoint it waits for
-    cfg = replace(BASE, zero_stage=3, max_steps=60, ckpt_interval=6, eval_interval=30, max_failures=1)
+    probe_task = tweet_names_dir(tmp_path, train=48, dev=48)
+    cfg = replace(BASE, zero_stage=3, max_steps=60, ckpt_interval=6, eval_interval=30, max_failures=1,
+                  probes=(str(probe_task),), probe_interval=30, probe_examples=48, probe_epochs=1, probe_seeds=(0,),
+                  probe_lr=(1e-3,), probe_warmup_steps=0, probe_max_seq_len=SEQ_LEN)
+    probe = "probe.tweet-names.f1"
     job = pretrain_job(cfg, "z3", workdir, tokens, model_cfg, lineage)
     job["storage"] = f"s3://{s3_server.bucket}/ray"
     storage = RayStorage(s3_server.filesystem(), f"{s3_server.bucket}/ray")
@@ -469,13 +477,14 @@ def test_zero3_survives_worker_loss_and_stage_restart(ray_cluster_2_nodes, s3_se
     while time.time() < deadline:  # stop the stage once it trains again after the restore, past a new checkpoint
         assert proc.poll() is None, "the first driver ended before it could be stopped"
         restored = history(tracker, "restored_from_step")
-        if restored and registered_step(storage, "z3") >= restored[0][0] + 6:
+        if restored and registered_step(storage, "z3") >= restored[0][0] + 6 and history(tracker, probe):
             break
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert killer.killed, "no training worker was killed"
     assert not (workdir / "artifacts" / "pretrain" / "z3").exists()
+    assert "0" in json.loads(storage.read(f"{storage.run('z3')}/probes.json")), "step 0's probe was not recorded"
     # the checkpoint a restart restores: the newest registered one (a newer directory may be unregistered, and a
     # step the worker loss made run twice has two directories; Ray Train names them by time)
     newest_step = registered_step(storage, "z3")
@@ -519,6 +528,13 @@ def test_zero3_survives_worker_loss_and_stage_restart(ray_cluster_2_nodes, s3_se
     assert math.isfinite(losses[-1][1])
     out = workdir / "artifacts" / "pretrain" / "z3"
     check_trained(result, out, tracker, cfg, ray_cluster_2_nodes, model_cfg)
+    probed = history(tracker, probe)
+    assert sorted(s for s, _ in probed) == [0, 30, 60], probed  # each once: the restarted stage skipped step 0
+    assert all(0.0 <= v <= 1.0 for _, v in probed) and sorted(s for s, _ in history(tracker, probe + "_std")) == [0, 30, 60]
+    assert sorted(map(int, json.loads(storage.read(f"{storage.run('z3')}/probes.json")))) == [0, 30, 60]
+    assert (out / "probes.png").stat().st_size > 1000 and "probes.png" in {
+        f.path for f in tracker.client.list_artifacts(tracker.run_id)}
+    assert result.summary["probes"].startswith("tweet-names f1 ")
     last = f"{checkpoints(storage, 'z3')[-1]}/step{cfg.max_steps}"
     assert len([i for i in storage.ls(last) if i.base_name.endswith("_mp_rank_00_model_states.pt")]) == 2  # sharded
 
