@@ -396,6 +396,9 @@ class FinetuneConfig(Section):
     """As pretrain.precision, for the trials."""
     compile: bool = False
     """As pretrain.compile, for the trials."""
+    control: str = ""
+    """"scratch": also sweep the same grid and seeds from the same architecture's initial weights (the from-scratch
+    control, `stages.finetune.control`) and record the champion's gain over it on its registry version; "": none."""
     max_failures: int = 2
     """Retries of a trial whose process, worker or node dies (Tune's `FailureConfig`, the one level that retries:
     a DeepSpeed trial's Ray Train run has none of its own, so a lost worker fails the trial and Tune restarts it).
@@ -426,6 +429,8 @@ class FinetuneConfig(Section):
                f"finetune.max_train_examples={self.max_train_examples}: must be >= 1 (or none for all)")
         _check(self.max_failures >= -1, f"finetune.max_failures={self.max_failures}: must be >= 0 (or -1: no limit)")
         _check(self.precision in PRECISIONS, f"finetune.precision={self.precision!r}: use one of {', '.join(PRECISIONS)}")
+        _check(self.control in ("", "scratch"), f"finetune.control={self.control!r}: use scratch (sweep the same grid "
+                                                f"from the initial weights too) or leave it empty")
         check_finetune_trainer(self)
 
 

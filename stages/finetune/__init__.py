@@ -8,6 +8,7 @@
     trial.py     one trial: `run_epochs` on a torch or DeepSpeed engine (`training.engine`)
     sweep.py     the Tune grid, trials as nested MLflow runs, selection
     registry.py  the champion's model/ and hf/, the sweep plot, the registry entry
+    control.py   finetune.control=scratch: the same sweep from the initial weights, the gain on the registry version
 
 Outputs: model/ (config.json, model.pt, finetune.json, tokenizer/), hf/ (DebertaV2For{Sequence,Token}-
 Classification or DebertaV2ForQuestionAnswering with its tokenizer and label names), results.csv (one row per
@@ -28,6 +29,7 @@ from deberta.config import DebertaConfig
 from core.tokenizer import Tokenizer
 from core.errors import StageInputError
 from stages.base import StageContext, StageResult
+from stages.finetune.control import run_control
 from stages.finetune.data import ExternalCheckpoint, load_pretrained, prepare_data
 from stages.finetune.kinds.base import TaskRef
 from stages.finetune.registry import _jsonable, export_hf, plot_sweep, register_champion, save_model
@@ -86,15 +88,19 @@ def run(cfg: FinetuneConfig, *, model: DebertaConfig, inputs: dict[str, Any], ou
     (out / "champion.json").write_text(json.dumps(_jsonable(champion), indent=2, sort_keys=True) + "\n")
 
     export_hf(out / "model", out / "hf", task, float(champion["dropout"]))
-    version = register_champion(ctx, out, task, champion, metric, baseline, init)
+    control = run_control(setup, data, ctx, metric, champion, out) if cfg.control == "scratch" else {}
+    version = register_champion(ctx, out, task, champion, metric, baseline, init, control.get("tags"))
     name = f"deberta-{ctx.preset}-{task.name}"
     trial_cfg = {k: _jsonable(champion)[k] for k in (*GRID_KEYS, "seed")}
     return StageResult(
         metrics={f"best_{metric}": float(champion[metric]), f"best_{metric}_seed_mean": champion["seed_mean"],
-                 **{name: baseline for name in ("baseline", *task.kind.baseline_aliases)}},
+                 **{name: baseline for name in ("baseline", *task.kind.baseline_aliases)},
+                 **control.get("metrics", {})},
         counts={"trials": len(table), "trial_epochs": int(table["epochs"].sum()),
                 "train_examples": len(data[0]), "dev_examples": len(data[1])},
-        log_files=("results.csv", "sweep.png", "champion.json"),
+        log_files=("results.csv", "sweep.png", "champion.json", *(("results_scratch.csv",) if control else ())),
         summary={"finetune": f"{name} v{version} (alias champion): {metric}={champion[metric]:.4f} "
-                             f"vs {baseline_name} {baseline:.4f}; trial {json.dumps(trial_cfg)}"},
+                             f"vs {baseline_name} {baseline:.4f}; trial {json.dumps(trial_cfg)}"
+                             + (f"; gain over scratch {control['metrics']['gain_over_scratch']:+.4f} (seed means)"
+                                if control else "")},
     )

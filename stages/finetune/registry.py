@@ -90,11 +90,12 @@ def export_hf(model_dir: Path, hf_dir: Path, task: TaskRef, dropout: float) -> N
 
 
 def register_champion(ctx: StageContext, out: Path, task: TaskRef, champion: dict, metric: str,
-                      baseline: float, init: "ExternalCheckpoint | None" = None) -> str:
+                      baseline: float, init: "ExternalCheckpoint | None" = None,
+                      extra_tags: dict[str, str] | None = None) -> str:
     """Log model/ on the stage's run, hf/ as an MLflow Model (core/hf_pyfunc.py: `mlflow.pyfunc.load_model`
     predicts from `sentence1` (+ `sentence2`), `mlflow models serve` serves it), and register that as
     deberta-<preset>-<task> @champion; returns the version. init: the external checkpoint it started from, named
-    in the version's tags (`init`, `init_digest`)."""
+    in the version's tags (`init`, `init_digest`); `extra_tags`: e.g. the gain over scratch (`control.py`)."""
     ctx.tracker.log_artifacts(out / "model", "model")
     trial_cfg = {k: _jsonable(champion)[k] for k in (*GRID_KEYS, "seed")}
     tags = {"pretrain": ctx.lineage.get("pretrain", ""), "corpus": ctx.lineage.get("corpus", ""),
@@ -104,6 +105,7 @@ def register_champion(ctx: StageContext, out: Path, task: TaskRef, champion: dic
     tags.update({name: tags["baseline"] for name in task.kind.baseline_aliases})
     if init is not None:
         tags.update(init=init.source, init_digest=init.id)
+    tags.update(extra_tags or {})
     kind = task.kind
     with tempfile.TemporaryDirectory() as code:  # the kinds' code ships with the model: it predicts (one path)
         uri = ctx.tracker.log_hf_model(out / "hf", task=kind.pyfunc_task, input_example=kind.input_example(task),
