@@ -147,6 +147,32 @@ def test_every_stage_enforced_bound_is_checked_up_front(item, fragment):
         validate(apply_overrides(PRESETS["debug"](), [item]))
 
 
+@pytest.mark.parametrize("items, fragment", [
+    (["pretrain.probes=wnut16-ner", "pretrain.probe_interval=300"],
+     "pretrain.probe_interval=300 must be a multiple of pretrain.ckpt_interval=200"),
+    (["pretrain.probes=wnut16-ner,wnut16-ner"], "pretrain.probes=wnut16-ner,wnut16-ner: a task is named twice"),
+    (["pretrain.probes=wnut16-ner", "pretrain.probe_seeds="], "pretrain.probe_seeds is empty"),
+    (["pretrain.probes=wnut16-ner", "pretrain.probe_examples=0"], "pretrain.probe_examples=0: must be >= 1"),
+    (["pretrain.probes=wnut16-ner", "pretrain.probe_max_seq_len=256"],
+     "pretrain.probe_max_seq_len=256 exceeds model.max_position_embeddings=128"),
+    (["pretrain.probes=wnut16-ner", "pretrain.probe_gpus=0.5"], "pretrain.probe_gpus=0.5: a share of one GPU"),
+    (["finetune.control=pretrained"], "finetune.control='pretrained': use scratch"),
+])
+def test_probe_and_control_settings_are_checked_up_front(items, fragment):
+    """Refused by `validate`, before Ray starts."""
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        validate(apply_overrides(PRESETS["debug"](), items))
+
+
+def test_probes_are_how_fields():
+    """Probing a run measures it without changing its weights: the same pretrain artifact id with or without."""
+    cfg = PRESETS["debug"]()
+    probed = apply_overrides(cfg, ["pretrain.probes=wnut16-ner", "pretrain.probe_seeds=0,1"])
+    assert probed.pretrain.what() == cfg.pretrain.what() and probed.pretrain.probe_seeds == (0, 1)
+    assert "control" in cfg.finetune.what()  # the control adds to what the finetune stage registers
+    validate(apply_overrides(cfg, ["pretrain.probe_interval=300"]))  # probes off: their settings are not in the way
+
+
 def test_model_section_is_the_model_library_config():
     """[model] is `DebertaConfig` itself: its own checks come back as one ConfigError naming `model.<field>`, fields
     that only fit together change together, and `attn_impl` (a *how* field) stays out of artifact ids."""

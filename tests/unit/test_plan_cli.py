@@ -82,10 +82,12 @@ MISTAKES = [
     (["--corpus", "s3://no-such-bucket-pipeline/x"], "no AWS credentials are set"),
     (["--preset", "deberta-base", "--corpus", "{a}", "--until", "pretrain"],
      "pretrain.use_gpu=true asks for 32 GPUs but the Ray cluster has 0"),
+    (["--corpus", "{a}", "--until", "pretrain", "--set", "pretrain.probes=no-such-task"],
+     "task 'no-such-task' is neither a built-in"),
     ]
 NAMES = ["readme-only", "one-document", "vocab-too-large", "force-unknown", "only-on-empty", "force-outside-until",
          "force-outside-only", "task-twice", "task-flag-twice", "task-not-planned", "empty-dir", "proc-workdir",
-         "s3-no-credentials", "gpu-preset-on-cpu"]
+         "s3-no-credentials", "gpu-preset-on-cpu", "probe-not-a-task"]
 ONCE = {"s3-no-credentials"}
 """Cases run as a dry run only: the same listing refuses them in both, and the store's retries take seconds."""
 
