@@ -220,16 +220,27 @@ class Probes:
         ready, _ = ray.wait(list(self.pending), num_returns=len(self.pending), timeout=timeout)
         for ref in ready:
             step, name, lr, seed = self.pending.pop(ref)
-            self.trials.setdefault((step, name), {})[(lr, seed)] = ray.get(ref)["value"]
+            try:
+                value = ray.get(ref)["value"]
+            except Exception as e:  # noqa: BLE001  (a failed trial is said, never the training run's end)
+                print(f"[pretrain] probe trial {name} step {step} lr {lr:g} seed {seed} failed: {e}", flush=True)
+                value = None
+            self.trials.setdefault((step, name), {})[(lr, seed)] = value
             if len(self.trials[(step, name)]) == len(self.cfg.probe_lr) * len(self.cfg.probe_seeds):
-                task = next(t for t in self.tasks if t.name == name)
-                result = summarize(task, self.trials.pop((step, name)))
-                key = f"probe.{name}.{result['metric']}"
-                self.tracker.log_metrics({key: result["mean"], f"{key}_std": result["std"]}, step=step)
-                self.ledger.setdefault(step, {})[name] = result
-                write_ledger(self.run_dir, self.ledger)
-                print(f"[pretrain] probe step {step}: {key} = {result['mean']:.4f} ± {result['std']:.4f} "
-                      f"(lr {result['lr']:g}, {len(self.cfg.probe_seeds)} seeds)", flush=True)
+                self.record(step, next(t for t in self.tasks if t.name == name), self.trials.pop((step, name)))
+
+    def record(self, step: int, task: "TaskRef", trials: dict[tuple[float, int], float | None]) -> None:
+        """A (step, task) with every trial in: logged against the step and written to the ledger."""
+        done = {k: v for k, v in trials.items() if v is not None}
+        if not done:  # nothing to log; not recorded, so a restarted stage tries again
+            return
+        result = summarize(task, done)
+        key = f"probe.{task.name}.{result['metric']}"
+        self.ledger.setdefault(step, {})[task.name] = result
+        write_ledger(self.run_dir, self.ledger)  # first: the plot has it even if the tracking server is down
+        self.tracker.log_metrics({key: result["mean"], f"{key}_std": result["std"]}, step=step)
+        print(f"[pretrain] probe step {step}: {key} = {result['mean']:.4f} ± {result['std']:.4f} "
+              f"(lr {result['lr']:g}, {len(done)} of {len(trials)} trials)", flush=True)
 
     def checkpoints_to_probe(self) -> None:
         """Newly listed checkpoints of probe steps, once every rank's files are in: consolidated now (Ray Train
