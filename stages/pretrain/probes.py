@@ -323,7 +323,7 @@ def plot(ledger: dict[int, dict[str, Any]], val_loss: list[tuple[int, float]], p
         loss.plot(steps, [points[s] for s in steps], "--", color="grey", label="validation MLM loss")
         loss.set_ylabel("validation MLM loss")
         loss.legend(loc="upper center")
-    ax.legend(loc="lower right")
+    ax.legend(loc="center right")
     if title:
         ax.set_title(title)
     fig.tight_layout()
