@@ -175,7 +175,6 @@ class Probes:
         """Encode each task once (the run's vocabulary), read the ledger, log what it holds, probe step 0."""
         import ray
 
-        from deberta import checkpoint as _  # noqa: F401  (torch, before any thread does)
         from stages.finetune.data import prepare_data
         from stages.finetune.trial import TrialSetup
 
