@@ -450,3 +450,113 @@ def _download_version(uri: str, workdir: Path, tracking_uri: str) -> RegisteredE
                              f"Model and no hf/ in its run; register the model with Tracker.log_hf_model")
         shutil.move(str(hf_dir), str(target))
     return RegisteredExport(version_uri, target, mv.source)
+
+
+# ----------------------------------------------------------------------------------------------- batch prediction
+
+@dataclass(frozen=True)
+class PredictionModel:
+    """A logged MLflow Model (core/hf_pyfunc.py over an HF export) on local disk, for batch prediction."""
+
+    uri: str
+    """The model as it can be asked for again and give the same bytes: models:/NAME/VERSION (an alias resolved),
+    models:/<model_id> or runs:/RUN/PATH."""
+    path: Path
+    """The downloaded MLflow Model directory (MLmodel, artifacts/)."""
+    hf: Path
+    """Its HF export (the pyfunc's artifact `hf`)."""
+    interface: dict[str, Any]
+    """The pyfunc's artifact `interface`: {"task", "inputs", "kind", "auto"}."""
+    outputs: list[dict[str, Any]] | None
+    """The signature's answer columns, MLflow schema JSON (None without a signature)."""
+    model_id: str = ""
+    """The MLflow 3 logged model behind it ("" for a run's model logged without one)."""
+
+
+def _cache_key(client: MlflowClient, uri: str, tracking_uri: str) -> tuple[str, Path, str]:
+    """(the immutable URI, its cache folder under the cache root, the logged model id) of a model URI."""
+    if uri.startswith(MODELS_URI) and ("@" in uri or uri.count("/") >= 2):  # a registered name: version or alias
+        mv = _model_version(client, uri, tracking_uri)
+        return f"{MODELS_URI}{mv.name}/{mv.version}", Path("registry") / mv.name / str(mv.version), mv.model_id or ""
+    if uri.startswith(MODELS_URI):  # a logged model, models:/<model_id>
+        model_id = uri.removeprefix(MODELS_URI)
+        return uri, Path("logged") / model_id, model_id
+    if uri.startswith("runs:/") and uri.count("/") >= 2:
+        return uri, Path("runs") / uri.removeprefix("runs:/").strip("/"), ""
+    raise ValueError(f"{uri}: not a model URI; give models:/NAME/VERSION, models:/NAME@ALIAS, models:/<model_id>, "
+                     f"runs:/RUN_ID/PATH or an HF export directory")
+
+
+def download_model(uri: str, tracking_uri: str, cache: Path) -> PredictionModel:
+    """The MLflow Model `uri` names, downloaded once per version into `cache` (renamed into place whole, so a copy
+    there is complete) and read: its HF export, its interface and its signature's outputs. Called by the driver
+    (which checks the input against it before Ray starts) and again by every prediction actor (a no-op on the
+    driver's node; a download on another). ValueError, one message naming the fix, for what a user can get wrong."""
+    import shutil
+    import tempfile
+
+    client = _client(tracking_uri)
+    try:
+        version_uri, rel, model_id = _cache_key(client, uri, tracking_uri)
+        target = Path(cache) / rel
+        if not (target / "MLmodel").is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-") as tmp, \
+                    _tracking_uri(tracking_uri):
+                got = Path(mlflow.artifacts.download_artifacts(artifact_uri=version_uri, dst_path=tmp))
+                if not (got / "MLmodel").is_file():
+                    raise ValueError(f"{uri} is not an MLflow Model (no MLmodel file); give a model logged by "
+                                     f"the finetune stage (Tracker.log_hf_model) or an HF export directory")
+                try:
+                    os.rename(got, target)
+                except OSError:  # another process put it there first: theirs is complete
+                    if not (target / "MLmodel").is_file():
+                        raise
+    except mlflow.exceptions.MlflowException as e:  # an unreachable server, a missing artifact
+        raise ValueError(f"{uri}: reading it from {tracking_uri} failed: {e.message.splitlines()[0]}") from None
+    model = mlflow.models.Model.load(str(target / "MLmodel"))
+    artifacts = model.flavors.get("python_function", {}).get("artifacts") or {}
+    if "hf" not in artifacts or "interface" not in artifacts:
+        shutil.rmtree(target, ignore_errors=True)
+        raise ValueError(f"{uri} holds no HF export (no pyfunc artifacts `hf` and `interface`); give a model logged "
+                         f"by Tracker.log_hf_model (the finetune stage's champion) or an HF export directory")
+    interface = json.loads((target / artifacts["interface"]["path"]).read_text())
+    outputs = json.loads(model.signature.outputs.to_json()) if model.signature and model.signature.outputs else None
+    return PredictionModel(version_uri, target, target / artifacts["hf"]["path"], interface, outputs, model_id)
+
+
+def log_prediction(tracking_uri: str, name: str, model_uri: str, model_id: str, inputs: str, input_digest: str,
+                   output: str, params: dict[str, Any], metrics: dict[str, float]) -> str:
+    """One run in the pipeline's experiment for a batch prediction: its input data set (the listed files' digest)
+    and the model version as its inputs (and the logged model, MLflow 3's model input), where the predictions went
+    as a tag. Returns the run id."""
+    import warnings
+
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag, LoggedModelInput
+
+    client = _client(tracking_uri)
+    with _opening_store(tracking_uri):
+        exp = client.get_experiment_by_name(EXPERIMENT)
+        exp_id = exp.experiment_id if exp else client.create_experiment(
+            EXPERIMENT, tags={TAG_EXPERIMENT_KIND: EXPERIMENT_KIND})
+    run = client.create_run(exp_id, run_name=name, tags={TAG_STAGE: "predict", "pipeline.model_version": model_uri,
+                                                         "pipeline.output": output})
+    tracker = Tracker(tracking_uri, run.info.run_id, exp_id)
+    tracker.log_params(params)
+    datasets = []
+    for context, source, digest in (("predict_input", inputs, input_digest), ("model", model_uri, "")):
+        with warnings.catch_warnings():  # local paths match two equivalent source types
+            warnings.simplefilter("ignore")
+            try:
+                src = RegistrySource(source) if source.startswith(MODELS_URI) else resolve_dataset_source(source)
+            except Exception:  # a scheme MLflow has no source type for: named as a registry-style URI source
+                src = RegistrySource(source)
+        ds = MetaDataset(source=src, name=context, digest=digest or None)
+        datasets.append(DatasetInput(ds._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)]))
+    client.log_inputs(run.info.run_id, datasets=datasets,
+                      models=[LoggedModelInput(model_id)] if model_id else None)
+    tracker.log_metrics(metrics)
+    tracker.end()
+    return run.info.run_id

@@ -379,6 +379,51 @@ def read_file(path: str, opts: CorpusConfig) -> Iterator[Record]:
         yield Record(path, -1, reason="file contains no documents (empty)")
 
 
+def read_fields(path: str, fields: Sequence[str], max_bytes: int) -> Iterator[tuple[int, list | None, str | None]]:
+    """(index, values of `fields` or None, reason or None) of every record of one file, by the readers above: a
+    `.txt` line (one field: the line), a JSONL object's fields, a Parquet row's columns; compressed as `read_file`
+    reads. A record without a field, or one that is not text, comes with its reason (the file goes on); a file that
+    cannot be read yields one (-1, None, reason). `index` is `read_file`'s, so `doc_id(path, index)` is the corpus
+    stage's id of the same record."""
+    fmt, codec = file_kind(path)
+    if fmt is None:
+        yield -1, None, f"unsupported file type; use {', '.join(sorted(FORMATS))}"
+        return
+    try:
+        fs, fs_path = _open_fs(path)
+        if fmt == "parquet":
+            pf = pq.ParquetFile(fs.open_input_file(fs_path))
+            missing = [f for f in fields if f not in pf.schema_arrow.names]
+            if missing:
+                yield -1, None, f"no column {missing} (columns: {', '.join(pf.schema_arrow.names)})"
+                return
+            index = 0
+            for batch in pf.iter_batches(batch_size=1024, columns=list(fields)):
+                for values in zip(*(c.to_pylist() for c in batch.columns)):
+                    bad = next((f for f, v in zip(fields, values) if not isinstance(v, str)), None)
+                    yield (index, None, f"row {index}: {bad!r} is not text") if bad else (index, list(values), None)
+                    index += 1
+            return
+        src = _Sniffed(fs.open_input_stream(fs_path, compression=codec))
+        for i, line in enumerate(_lines(src, max_bytes)):
+            if line is not None and not line.strip():
+                continue  # blank lines are no records, as in `read_file`
+            text, reason = _decode(line, f"line {i + 1}: ") if line is not None else (None, f"line {i + 1}: too long")
+            if text is None or fmt == "txt":
+                yield i, None if text is None else [text], reason
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                yield i, None, f"line {i + 1}: invalid JSON ({e.msg} at column {e.colno})"
+                continue
+            values = [obj.get(f) if isinstance(obj, dict) else None for f in fields]
+            bad = next((f for f, v in zip(fields, values) if not isinstance(v, str)), None)
+            yield (i, None, f"line {i + 1}: no string field {bad!r}") if bad else (i, values, None)
+    except READ_ERRORS as e:
+        yield -1, None, f"read failed: {type(e).__name__}: {e}"
+
+
 # ---------------------------------------------------------------- Arrow batches for Ray Data
 
 

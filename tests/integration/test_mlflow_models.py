@@ -207,3 +207,65 @@ def test_unknown_registry_version_is_one_message(mlflow_server, registered, tmp_
         lines = [ln for ln in err.strip().splitlines() if ln.strip()]
         assert len(lines) == 1 and lines[0].startswith(f"error: finetune.init={uri}: ") and fragment in lines[0], err
     assert not (tmp_path / "wd" / "registry").exists()
+
+
+@pytest.mark.ray
+def test_batch_predictions_are_the_registered_models(mlflow_server, registered, news_subset, ray_local, tmp_path,
+                                                     monkeypatch, capsys):
+    """`python -m pipeline.predict` over 300 real news articles with the registered classifier (the entry point
+    called in this process, on the session's Ray): every record answered, a sample equal to the registered model's
+    own `pyfunc.predict`, the version recorded in the output and in an MLflow run, and the re-run a no-op."""
+    from pipeline.predict import main
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    corpus, out = news_subset(300), tmp_path / "predictions"
+    argv = ["models:/deberta-debug-clf@champion", "--input", str(corpus), "--output", str(out),
+            "--column", "sentence1=text", "--batch-size", "64", "--actors", "2", "--cpus-per-actor", "0.5",
+            "--cache", str(tmp_path / "cache")]
+    assert main(argv) == 0, capsys.readouterr().err
+    got = pd.read_parquet(out)  # the marker and manifest are `_` files, which Parquet readers skip
+    texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+    assert sorted(got["index"]) == list(range(len(texts))) and got["reason"].isna().all()
+    assert set(got["model_version"]) == {"models:/deberta-debug-clf/1"}
+    sample = got.sort_values("index").iloc[::15]
+    served = mlflow.pyfunc.load_model("models:/deberta-debug-clf@champion").predict(
+        pd.DataFrame({"sentence1": [texts[i] for i in sample["index"]]}))
+    assert list(sample["label"]) == list(served["label"])
+    assert sample["score"].tolist() == pytest.approx(served["score"].tolist(), abs=1e-6)
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["rows"] == manifest["answered"] == len(texts) and (out / "_SUCCESS").is_file()
+    runs = mlflow.MlflowClient(mlflow_server).search_runs(
+        [registered[0].experiment_id], "tags.`pipeline.stage` = 'predict'")
+    assert [r.data.tags["pipeline.model_version"] for r in runs] == ["models:/deberta-debug-clf/1"]
+    assert {d.dataset.source for d in runs[0].inputs.dataset_inputs} >= {json.dumps({"uri": str(corpus)}),
+                                                                          json.dumps({"uri": "models:/deberta-debug-clf/1"})}
+    shards = {p: p.stat().st_mtime_ns for p in out.iterdir()}
+    capsys.readouterr()
+    assert main(argv) == 0 and "nothing to do" in capsys.readouterr().out  # the same input and model: reused
+    assert {p: p.stat().st_mtime_ns for p in out.iterdir()} == shards
+
+
+def test_batch_prediction_refusals_are_one_line(mlflow_server, registered, news_subset, tmp_path, monkeypatch,
+                                                capsys):
+    """What a user gets wrong stops `pipeline.predict` before Ray starts: one `error:` line, exit 2, nothing
+    written."""
+    from pipeline.predict import main
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    corpus, out = str(news_subset(300)), tmp_path / "predictions"
+    base = ["--input", corpus, "--output", str(out), "--cache", str(tmp_path / "cache")]
+    for argv, fragment in [
+        (["models:/deberta-debug-clf@champion", *base], "no string field 'sentence1'; the model reads ['sentence1']: "
+                                                        "name the input's field with --column sentence1=FIELD"),
+        (["models:/deberta-debug-clf@champion", *base, "--column", "label=text"],
+         "the model does not read a column 'label'; it reads ['sentence1']"),
+        (["models:/deberta-debug-clf/7", *base], "'deberta-debug-clf' has no version 7"),
+        (["models:/deberta-debug-mlm@champion", *base], "is a pretrained model (fill-mask), which answers no task"),
+        (["models:/deberta-debug-clf@champion", *base[:1], str(tmp_path / "none.jsonl"), *base[2:]],
+         "does not exist; check the path"),
+    ]:
+        assert main(argv) == 2
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]  # after MLflow's download bar
+        assert [ln for ln in err if "error" in ln.lower()] == err[-1:] and err[-1].startswith("error: "), err
+        assert fragment in err[-1], err
+    assert not out.exists()
