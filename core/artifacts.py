@@ -217,9 +217,7 @@ def _complete(path: Path) -> bool:
 # ----------------------------------------------------------------------------------------------- object storage
 
 def _remote(uri: str) -> tuple[Any, str]:
-    import pyarrow.fs as pafs
-
-    return pafs.FileSystem.from_uri(uri)
+    return storage.filesystem(uri)
 
 
 def _remote_complete(uri: str) -> bool:
@@ -242,7 +240,7 @@ def _upload(tmp: Path, uri: str, replace: bool) -> bool:
         fs.delete_file(f"{root}/{SUCCESS}")
     if fs.get_file_info(root).type == pafs.FileType.Directory:
         fs.delete_dir_contents(root)  # a --force's old objects, or those of an upload cut short
-    local = pafs.LocalFileSystem()
+    local, _ = storage.filesystem(tmp)
     rels = [str(p.relative_to(tmp)) for p in sorted(tmp.rglob("*")) if p.is_file() and p.name not in (MANIFEST, SUCCESS)]
 
     def put(rel: str) -> None:

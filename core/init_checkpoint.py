@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from core import storage
 from core.errors import StageInputError
 from core.tokenizer import MODEL_FILE
 
@@ -109,7 +110,7 @@ def resolve_init(value: str, workdir: Path, key: str = "finetune.init") -> Exter
     """`key`=value: a directory, or a registry URI whose export is downloaded into the workdir first (on the
     driver, before Ray starts; once per version)."""
     if not value.startswith("models:/"):
-        if "://" in value or value.startswith(("runs:/", "models:")):
+        if storage.is_uri(value) or value.startswith(("runs:/", "models:")):
             raise StageInputError(f"{key}={value}: only local directories and registry URIs (models:/NAME/VERSION, "
                                   f"models:/NAME@ALIAS) are read; download the checkpoint first")
         return resolve_checkpoint(value, key=key)

@@ -14,6 +14,16 @@ def is_uri(location: str | Path) -> bool:
     return "://" in str(location)
 
 
+def filesystem(location: str | Path):
+    """(pyarrow filesystem, path in it) of a location: `FileSystem.from_uri` for a URI (s3://, gs://, hdfs://,
+    file://), the local file system and the absolute path otherwise. The one place a location is opened."""
+    import pyarrow.fs as pafs
+
+    if is_uri(location):
+        return pafs.FileSystem.from_uri(str(location))
+    return pafs.LocalFileSystem(), str(Path(location).absolute())
+
+
 def join(base: str | Path, *parts: str) -> str:
     """`base/part/...` for a local path or a URI, keeping the URI's scheme and `//` intact."""
     if not is_uri(base):
@@ -65,7 +75,7 @@ def check_writable(uri: str) -> None:
     bucket that does not exist is said so: an object store answers a write into one with a generic error."""
     import pyarrow.fs as pafs
 
-    fs, path = pafs.FileSystem.from_uri(uri)
+    fs, path = filesystem(uri)
     bucket = path.strip("/").split("/", 1)[0]
     if fs.get_file_info(bucket).type == pafs.FileType.NotFound:
         raise OSError(f"NoSuchBucket: {bucket}")

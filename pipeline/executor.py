@@ -20,6 +20,7 @@ from typing import Any, Iterator
 
 from core import locks
 from core import storage
+from core.storage import filesystem
 from core.artifacts import Artifact, ArtifactStore, is_disk_full, watching_writes
 from core.config import ConfigError, PipelineConfig, check_cluster
 from core.lineage import TAG_STATUS, Lineage, Tracker
@@ -156,7 +157,7 @@ def discard_resumable_state(st: PlannedStage, store: ArtifactStore, storage: str
     if scratch.exists():
         shutil.rmtree(scratch)
         gone.append(str(scratch))
-    fs, root = pafs.FileSystem.from_uri(storage) if "://" in storage else (pafs.LocalFileSystem(), storage)
+    fs, root = filesystem(storage)
     prefix = f"{st.spec.name}-{st.artifact_id}"
     for info in fs.get_file_info(pafs.FileSelector(root, allow_not_found=True)):
         if info.type == pafs.FileType.Directory and info.base_name.startswith(prefix):

@@ -199,7 +199,7 @@ def finished(output: str) -> dict | None:
     if storage.is_uri(output):
         import pyarrow.fs as pafs
 
-        fs, root = pafs.FileSystem.from_uri(output)
+        fs, root = storage.filesystem(output)
         if fs.get_file_info(f"{root}/{SUCCESS}").type != pafs.FileType.File:
             return None
         return json.loads(fs.open_input_stream(f"{root}/{MANIFEST}").read())
@@ -306,7 +306,7 @@ def publish(ds, output: str, manifest: dict, force: bool) -> None:
     import pyarrow.fs as pafs
 
     if storage.is_uri(output):
-        fs, root = pafs.FileSystem.from_uri(output)
+        fs, root = storage.filesystem(output)
         if fs.get_file_info(f"{root}/{SUCCESS}").type == pafs.FileType.File:
             fs.delete_file(f"{root}/{SUCCESS}")  # --force: the old marker first, so no reader takes a mixture
         if fs.get_file_info(root).type == pafs.FileType.Directory:
@@ -319,7 +319,7 @@ def publish(ds, output: str, manifest: dict, force: bool) -> None:
     tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         ds.write_parquet(str(tmp), ray_remote_args=WRITE)
-        _finish(pafs.LocalFileSystem(), str(tmp), manifest)
+        _finish(*storage.filesystem(tmp), manifest)
         if final.exists():  # an old output (--force) or an incomplete one: moved aside, then removed
             aside = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
             os.rename(final, aside)

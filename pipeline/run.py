@@ -231,7 +231,7 @@ def content_key(path: str, size: int) -> str:
     again at every start would cost a download."""
     import xxhash
 
-    if "://" in path:
+    if storage.is_uri(path):
         return ""
     try:
         if size <= WHOLE_FILE_KEY_MAX:

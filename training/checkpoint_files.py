@@ -23,6 +23,7 @@ from pathlib import Path
 
 import xxhash
 
+from core import storage
 from core.artifacts import file_digest
 
 CUT_SHORT = ".cut-short"
@@ -76,13 +77,8 @@ def problem(directory: Path, world: int, ranks: range | None = None) -> str | No
     return None
 
 
-def storage_fs(uri: str):
-    """(pyarrow filesystem, path) of a storage location as Ray Train and Tune take it: a local path or a URI."""
-    import pyarrow.fs as pafs
-
-    if "://" in uri:
-        return pafs.FileSystem.from_uri(uri)
-    return pafs.LocalFileSystem(), str(Path(uri).absolute())
+storage_fs = storage.filesystem
+"""(pyarrow filesystem, path) of a storage location as Ray Train and Tune take it: a local path or a URI."""
 
 
 def move_dir(fs, src: str, dst: str) -> None:

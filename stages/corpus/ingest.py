@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from core.errors import StageInputError
-from core.storage import store_fix
+from core.storage import filesystem, is_uri, store_fix
 from stages.corpus.minhash import MinHasher, band_keys, normalize
 
 if TYPE_CHECKING:
@@ -61,10 +61,6 @@ class Record:
 
 
 # ---------------------------------------------------------------- listing
-
-
-def _is_uri(path: str) -> bool:
-    return "://" in path
 
 
 def _has_magic(path: str) -> bool:
@@ -130,7 +126,7 @@ def _list_store(pattern: str) -> list[tuple[str, int, int]]:
     scheme = pattern.split("://", 1)[0]
     magic = _has_magic(pattern)
     root = pattern[:min(pattern.find(c) for c in "*?[" if c in pattern)] if magic else pattern
-    fs, path = pafs.FileSystem.from_uri(root)
+    fs, path = filesystem(root)
     if magic:
         base = path.rstrip("/") if root.endswith("/") else path.rsplit("/", 1)[0]
         regex = _glob_regex(_uri_path_pattern(pattern))
@@ -161,7 +157,7 @@ def _no_files(pattern: str) -> str:
     """Why `pattern` lists no files, in its own terms: an empty directory, one holding only hidden files, a glob
     matching nothing (the shell may have expanded it), or a path that does not exist."""
     local = os.path.expanduser(pattern)
-    if not _is_uri(pattern) and not _has_magic(pattern) and os.path.isdir(local):
+    if not is_uri(pattern) and not _has_magic(pattern) and os.path.isdir(local):
         hidden = [n for n in os.listdir(local) if _hidden(n)]
         what = (f"holds only hidden files ({', '.join(sorted(hidden)[:3])}), which are skipped" if hidden
                 else "is empty")
@@ -169,7 +165,7 @@ def _no_files(pattern: str) -> str:
     if _has_magic(pattern):
         return (f"corpus glob {pattern!r} matches no files; check the pattern, and quote it so the shell does not "
                 f"expand it (e.g. --corpus 'DIR/**/*.jsonl')")
-    if not _is_uri(pattern):
+    if not is_uri(pattern):
         return f"corpus path {pattern!r} does not exist; check the path"
     return f"corpus path {pattern!r} matches no files; check the URI"
 
@@ -185,7 +181,7 @@ def list_sources(patterns: Sequence[str]) -> list[tuple[str, int, int]]:
         raise StageInputError("no corpus paths given; pass --corpus PATH (a file, a directory or a quoted glob)")
     found: dict[str, tuple[int, int]] = {}
     for pattern in patterns:
-        if _is_uri(pattern):
+        if is_uri(pattern):
             entries = _list_uri(pattern)
         elif _has_magic(pattern):
             entries = []
@@ -221,9 +217,7 @@ def file_kind(path: str) -> tuple[str | None, str | None]:
 
 
 def _open_fs(path: str) -> tuple[pafs.FileSystem, str]:
-    if _is_uri(path):
-        return pafs.FileSystem.from_uri(path)
-    return pafs.LocalFileSystem(), path
+    return filesystem(path)
 
 
 def _lines(stream, limit: int) -> Iterator[bytes | None]:

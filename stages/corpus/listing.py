@@ -14,6 +14,7 @@ import os
 from typing import TYPE_CHECKING
 
 from core.errors import StageInputError
+from core.storage import is_uri
 from stages.corpus.ingest import COMPRESSION, FORMATS, file_kind
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ def dry_run(cfg: "CorpusConfig", inputs: dict | None = None) -> str:
 
 def _count_in(path: str, fmt: str, txt_mode: str, limit: int) -> int | None:
     """Documents in one plain local file, counting no further than `limit`; None when it cannot be told cheaply."""
-    if "://" in path or file_kind(path)[1] is not None:
+    if is_uri(path) or file_kind(path)[1] is not None:
         return None
     if fmt == "parquet":
         import pyarrow.parquet as pq
