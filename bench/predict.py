@@ -1,0 +1,240 @@
+"""Batch prediction throughput on CPU, side by side in one run, on real text: Rotten Tomatoes reviews (sequence),
+WNUT-2016 tweets (token), the SQuAD and Quoref records of allennlp's fixtures (span).
+
+    unshare --net sh -c 'ip link set lo up && .venv/bin/python -m bench.predict'      # ~10 min on 2 cores
+
+Per kind and model size (the debug preset's model and cpu-small's, random weights over a real SentencePiece
+vocabulary of the reviews: speed does not depend on what was learned), in one process on one thread (rows/s per
+core), over the same rows after one warm-up batch:
+  - `hf_pipeline`: transformers' own `pipeline(...)` on the HF export (text-classification, token-classification
+    with aggregation "first"; transformers 5 has no question-answering pipeline any more, so the span kind has no
+    peer but its ONNX twin), batch size `--batch`;
+  - `predict_torch` / `predict_onnx`: `pipeline.predict`'s actor (`pipeline.predictor.Predictor`), the kind's own
+    prediction path, on torch and on onnxruntime over the checked ONNX export.
+Then `python -m pipeline.predict` end to end on the debug sequence model with 1 and 2 actors of one CPU each (the
+run's own seconds: Ray's start is not counted, the actors' start is). The physical limit: the forward FLOPs of a
+row (`deberta.flops`, matmuls, at each row's own token count) against the one-thread matmul rate measured here at
+the model's shapes. Writes bench/results/predict.json (or `--json PATH`) and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.common import RESULTS, command_line, emit, load_average
+
+FIXTURES = "allennlp/tests/fixtures/data"
+MAX_LEN, STRIDE = 64, 16  # the debug preset's finetune.max_seq_len and doc_stride
+
+
+def texts_of(kind: str, rows: int) -> dict[str, list[str]]:
+    """`rows` real inputs of a kind as its model's columns (the data repeated when it has fewer)."""
+    from core.datasets import site_packages_file
+    from stages.finetune.tasks import resolve_task
+
+    if kind == "sequence":
+        task = resolve_task("rotten-tomatoes")
+        base = {"sentence1": list(task.train.text_a) + list(task.dev.text_a)}
+    elif kind == "token":
+        task = resolve_task("wnut16-ner")
+        base = {"text": [" ".join(w) for w in list(task.train.words) + list(task.dev.words)]}
+    else:
+        qs, cs = [], []
+        for name in ("squad.json", "quoref/quoref_sample.json"):
+            for article in json.loads(site_packages_file(f"{FIXTURES}/{name}").read_text())["data"]:
+                for para in article["paragraphs"]:
+                    qs += [qa["question"] for qa in para["qas"]]
+                    cs += [para["context"]] * len(para["qas"])
+        base = {"question": qs, "context": cs}
+    n = len(next(iter(base.values())))
+    return {k: [v[i % n] for i in range(rows)] for k, v in base.items()}
+
+
+def build_models(root: Path, sizes: list[str]) -> dict[tuple[str, str], Path]:
+    """(kind, size) -> an HF export of a random head over a vocabulary trained on the reviews."""
+    import torch
+
+    from core.config import VocabConfig
+    from core.tokenizer import MODEL_FILE, SPECIAL_FILE, Tokenizer
+    from deberta import hf
+    from deberta.config import debug
+    from deberta.heads import DebertaForQuestionAnswering, DebertaForSequenceClassification, DebertaForTokenClassification
+    from pipeline.presets import MODEL_CPU_SMALL
+    from stages.vocab import train_model
+
+    vocab = root / "vocab"
+    vocab.mkdir(parents=True)
+    (root / "sample.txt").write_text("\n".join(texts_of("sequence", 20_000)["sentence1"]) + "\n")
+    train_model(VocabConfig(vocab_size=2_000), root / "sample.txt", vocab, num_threads=1)
+    (vocab / SPECIAL_FILE).write_text(json.dumps(Tokenizer.load(vocab / MODEL_FILE).special_ids))
+    configs = {"debug": debug(vocab_size=2_100), "cpu-small": MODEL_CPU_SMALL.replace(vocab_size=2_100)}
+    out = {}
+    torch.manual_seed(0)
+    for size in sizes:
+        cfg = configs[size]
+        heads = {"sequence": (DebertaForSequenceClassification(cfg, num_labels=2, classifier_dropout=0.1),
+                              ("rotten", "fresh"), {}),
+                 "token": (DebertaForTokenClassification(cfg, num_labels=5, classifier_dropout=0.1),
+                           ("O", "B-cap", "I-cap", "B-handle", "I-handle"), {"doc_stride": STRIDE}),
+                 "span": (DebertaForQuestionAnswering(cfg, classifier_dropout=0.1), None,
+                          {"doc_stride": STRIDE, "max_answer_len": 30, "squad_version": "v1.1",
+                           "null_score_threshold": None})}
+        for kind, (model, labels, extra) in heads.items():
+            out[kind, size] = hf.save_pretrained(model.eval(), root / f"{kind}-{size}", vocab_dir=vocab, labels=labels,
+                                                 model_max_length=MAX_LEN, config_extra=extra)
+    return out
+
+
+def hf_rate(kind: str, hf_dir: Path, columns: dict[str, list[str]], batch: int) -> float | None:
+    """transformers' pipeline, rows/s on this thread (None where transformers has none)."""
+    import transformers
+
+    if kind == "sequence":
+        pipe = transformers.pipeline("text-classification", model=str(hf_dir), device="cpu")
+        call = lambda n: pipe(columns["sentence1"][:n], batch_size=batch, truncation=True)  # noqa: E731
+    elif kind == "token":
+        pipe = transformers.pipeline("token-classification", model=str(hf_dir), device="cpu",
+                                     aggregation_strategy="first", stride=STRIDE)
+        call = lambda n: pipe(columns["text"][:n], batch_size=batch)  # noqa: E731
+    else:  # transformers 5 removed its question-answering pipeline: no peer of its own for the span kind
+        return None
+    return _rate(call, len(next(iter(columns.values()))), batch)
+
+
+def predictor_rate(kind: str, hf_dir: Path, columns: dict[str, list[str]], batch: int, backend: str,
+                   cache: Path) -> tuple[float, float, float]:
+    """pipeline.predict's actor over the rows, in batches of `batch`: (rows/s on this thread, mean tokens of a window,
+    windows per row: a long text or context is read in overlapping windows)."""
+    import pyarrow as pa
+
+    from deberta import onnx_export
+    from pipeline.predict import resolve_model
+    from pipeline.predictor import REASON, Predictor
+
+    ref, inputs, _, _ = resolve_model(str(hf_dir), str(cache))
+    ref = ref.__class__(**{**ref.__dict__, "columns": tuple((c, c) for c in inputs), "backend": backend, "threads": 1})
+    if backend == "onnx":
+        onnx_path = onnx_export.export(hf_dir, cache / f"{kind}-{hf_dir.name}")
+        ref = ref.__class__(**{**ref.__dict__, "onnx": str(onnx_path)})
+    actor = Predictor(ref)
+    n = len(next(iter(columns.values())))
+    table = pa.table({"row_id": [str(i) for i in range(n)], "source": ["bench"] * n, "index": list(range(n)),
+                      **columns, REASON: pa.nulls(n, pa.string())})
+    rate = _rate(lambda m: [actor(table.slice(s, min(batch, m - s))) for s in range(0, m, batch)], n, batch)
+    ids = actor.kind.encode_inputs(actor.tokenizer, {c: columns[c][:512] for c in inputs}, actor.settings).ids
+    return rate, float((ids != 0).sum(1).mean()), len(ids) / min(512, n)  # tokens per window, windows per row
+
+
+def _rate(call, n: int, batch: int) -> float:
+    call(batch)  # warm-up: first-call allocations and lazy inits
+    start = time.perf_counter()
+    call(n)
+    return n / (time.perf_counter() - start)
+
+
+def matmul_rate(m: int, k: int, n: int, repeats: int = 200) -> float:
+    """One-thread FLOP/s of (m, k) @ (k, n) float32, best of three."""
+    import torch
+
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * m * k * n * repeats / best
+
+
+def end_to_end(hf_dir: Path, rows: int, root: Path, actors: int) -> dict:
+    """`python -m pipeline.predict` with `actors` actors of one CPU: the rows/s it reports."""
+    corpus = root / "e2e.jsonl"
+    if not corpus.exists():
+        corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts_of("sequence", rows)["sentence1"]))
+    cmd = [sys.executable, "-m", "pipeline.predict", str(hf_dir), "--input", str(corpus), "--output",
+           str(root / f"out-{actors}"), "--column", "sentence1=text", "--actors", str(actors), "--cpus-per-actor",
+           "1", "--cache", str(root / "cache")]
+    res = subprocess.run(cmd, capture_output=True, text=True, env={k: v for k, v in os.environ.items()
+                                                                   if k != "MLFLOW_TRACKING_URI"})
+    if res.returncode != 0:
+        raise SystemExit(f"pipeline.predict failed:\n{res.stderr[-3000:]}")
+    m = re.search(r"(\d+) rows \((\d+) answered\).* in ([\d.]+) s", res.stdout)
+    return {"rows": int(m.group(1)), "seconds": float(m.group(3)), "rows_per_s": round(int(m.group(1)) /
+                                                                                        float(m.group(3)), 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=2_000, help="rows per kind in one process (span: a fifth; cpu-small: "
+                                                            "a quarter)")
+    ap.add_argument("--e2e-rows", type=int, default=20_000, help="rows of the end-to-end runs")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--sizes", default="debug,cpu-small")
+    ap.add_argument("--json", type=Path, default=RESULTS / "predict.json")
+    args = ap.parse_args()
+    import torch
+
+    from deberta import hf
+    from deberta.flops import forward_flops_per_token
+
+    torch.set_num_threads(1)
+    root = Path(tempfile.mkdtemp(prefix="bench-predict-"))
+    sizes = args.sizes.split(",")
+    models = build_models(root, sizes)
+    kinds, lines = {}, ["| kind | size | rows | transformers pipeline | torch / pipeline | onnx / pipeline | "
+                        "predict torch | predict onnx | onnx / torch | limit rows/s | torch / limit |",
+                        "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (kind, size), hf_dir in models.items():
+        rows = args.rows // (5 if kind == "span" else 1) // (4 if size == "cpu-small" else 1)
+        columns = texts_of(kind, rows)
+        hf_cfg = json.loads((hf_dir / "config.json").read_text())
+        h, i, layers = hf_cfg["hidden_size"], hf_cfg["intermediate_size"], hf_cfg["num_hidden_layers"]
+        hf_r = hf_rate(kind, hf_dir, columns, args.batch)
+        torch_r, tokens, windows = predictor_rate(kind, hf_dir, columns, args.batch, "torch", root / "cache")
+        onnx_r, _, _ = predictor_rate(kind, hf_dir, columns, args.batch, "onnx", root / "cache")
+        flops_row = forward_flops_per_token(hf.from_hf_config(_hf_config(hf_dir)), int(round(tokens)),
+                                            task="backbone") * tokens * windows
+        rate = matmul_rate(args.batch * MAX_LEN, h, i)
+        row = {"rows": len(next(iter(columns.values()))), "tokens_per_window": round(tokens, 1),
+               "windows_per_row": round(windows, 2),
+               "hf_pipeline_rows_per_s": hf_r and round(hf_r, 1), "predict_torch_rows_per_s": round(torch_r, 1),
+               "predict_onnx_rows_per_s": round(onnx_r, 1), "torch_vs_pipeline": hf_r and round(torch_r / hf_r, 2),
+               "onnx_vs_pipeline": hf_r and round(onnx_r / hf_r, 2), "onnx_vs_torch": round(onnx_r / torch_r, 2),
+               "forward_mflops_per_row": round(flops_row / 1e6, 2),
+               "matmul_gflops_1thread": round(rate / 1e9, 2), "limit_rows_per_s": round(rate / flops_row, 1),
+               "torch_of_limit": round(torch_r * flops_row / rate, 3), "layers": layers, "hidden": h}
+        kinds[f"{kind}/{size}"] = row
+        peer = (f"{hf_r:.0f} | {row['torch_vs_pipeline']:.2f}x | {row['onnx_vs_pipeline']:.2f}x" if hf_r
+                else "none | - | -")
+        lines.append(f"| {kind} | {size} | {row['rows']} | {peer} | {torch_r:.0f} | {onnx_r:.0f} | "
+                     f"{row['onnx_vs_torch']:.2f}x | {row['limit_rows_per_s']:.0f} | {row['torch_of_limit']:.1%} |")
+        print(lines[-1], flush=True)
+    e2e = {f"actors_{n}": end_to_end(models["sequence", sizes[0]], args.e2e_rows, root, n) for n in (1, 2)}
+    e2e["scaling_2_over_1"] = round(e2e["actors_2"]["rows_per_s"] / e2e["actors_1"]["rows_per_s"], 2)
+    report = {"bench": "predict", "command": command_line(), "batch": args.batch, "max_seq_len": MAX_LEN,
+              "load_average": load_average(), "cpus": os.cpu_count(), "kinds": kinds,
+              "end_to_end": {"kind": "sequence", "size": sizes[0], **e2e}}
+    lines += ["", "| pipeline.predict end to end | rows | seconds | rows/s |", "|---|---|---|---|"]
+    lines += [f"| {n} | {e2e[n]['rows']} | {e2e[n]['seconds']:.1f} | {e2e[n]['rows_per_s']:.0f} |"
+              for n in ("actors_1", "actors_2")]
+    emit(report, args.json, "\n".join(lines))
+
+
+def _hf_config(hf_dir: Path):
+    import transformers
+
+    return transformers.AutoConfig.from_pretrained(str(hf_dir))
+
+
+if __name__ == "__main__":
+    main()
