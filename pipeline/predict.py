@@ -46,6 +46,10 @@ OPTIONAL_INPUTS = {"text-classification": ("sentence2",)}
 WRITE = {"num_cpus": 0}
 """The write tasks reserve no CPU: they only encode and store shards, and the actors hold the CPUs (a write that
 waited for one would hold every answer in the object store until the pool went idle)."""
+BLOCK_BYTES = 1 << 20
+"""Ray Data's block size for this job: what the pool hands out (about 2,000 rows of short texts)."""
+SHARD_ROWS = 100_000
+"""Rows per output shard (at least; the last may be smaller)."""
 MANIFEST = "_manifest.json"
 """The output's manifest; `_` as `_SUCCESS`: Parquet readers (pyarrow, pandas, Ray Data, Spark) skip both."""
 ONNX_SAMPLE = 32  # rows of the input the ONNX export is checked on against torch, before it is used
@@ -284,6 +288,10 @@ def run(job: Job, args: argparse.Namespace) -> dict:
         actors = args.actors or max(1, int(resources.get("GPU", 0) // args.gpus_per_actor))
     else:
         actors = args.actors or max(1, int(resources.get("CPU", 1) // max(args.cpus_per_actor, 1e-9)))
+    # Ray Data merges a task's yields into blocks of up to 128 MiB, and a block goes to one actor whole: small
+    # blocks let every actor of the pool take a share of one large file (a streaming repartition would need a CPU
+    # the actors hold); the shards are made larger again by write_parquet's min_rows_per_file
+    ray.data.DataContext.get_current().target_max_block_size = BLOCK_BYTES
     started = time.time()
     files = ray.data.from_items([{"path": p} for p, _, _ in job.files], override_num_blocks=len(job.files))
     rows = files.map_batches(read_rows, fn_kwargs={"ref": job.ref, "rows": args.batch_size}, batch_size=1, batch_format="pyarrow",
@@ -311,14 +319,14 @@ def publish(ds, output: str, manifest: dict, force: bool) -> None:
             fs.delete_file(f"{root}/{SUCCESS}")  # --force: the old marker first, so no reader takes a mixture
         if fs.get_file_info(root).type == pafs.FileType.Directory:
             fs.delete_dir_contents(root)
-        ds.write_parquet(output, ray_remote_args=WRITE)
+        ds.write_parquet(output, min_rows_per_file=SHARD_ROWS, ray_remote_args=WRITE)
         _finish(fs, root, manifest)
         return
     final = Path(output).absolute()
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        ds.write_parquet(str(tmp), ray_remote_args=WRITE)
+        ds.write_parquet(str(tmp), min_rows_per_file=SHARD_ROWS, ray_remote_args=WRITE)
         _finish(*storage.filesystem(tmp), manifest)
         if final.exists():  # an old output (--force) or an incomplete one: moved aside, then removed
             aside = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
