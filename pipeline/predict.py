@@ -39,7 +39,7 @@ from pipeline.predictor import REASON, ModelRef, answer_schema
 VERSION = "1"
 """Of the output's layout; part of the key a finished output is reused by."""
 DIR_INPUTS = {"text-classification": ("sentence1",), "token-classification": ("text",),
-              "question-answering": ("question", "context")}
+              "question-answering": ("question", "context"), "multiple-choice": ("context", "question", "options")}
 """The input columns of an HF directory's task (a registered model names its own, core/hf_pyfunc.py)."""
 OPTIONAL_INPUTS = {"text-classification": ("sentence2",)}
 """Columns a directory's model reads when given (`--column sentence2=FIELD` for a pair task)."""
@@ -128,16 +128,19 @@ def resolve_model(spec: str, cache: str) -> tuple[ModelRef, tuple[str, ...], Pat
 
 
 def _directory_model(path: str) -> tuple[ModelRef, tuple[str, ...], Path, str]:
-    from deberta.onnx_export import architecture
     from stages.finetune.kinds import KINDS
 
     path = os.path.abspath(path)
-    try:
-        arch = architecture(path)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    kind = next(k for k in KINDS.values() if arch.endswith(k.hf_auto.removeprefix("AutoModel")))
+    if not Path(path, "config.json").is_file():
+        raise UserError(f"MODEL {path} is not an HF export (no config.json); give the finetune stage's hf/ "
+                        f"directory or a registry version (models:/NAME@champion)")
     config = json.loads(Path(path, "config.json").read_text())
+    arch = (config.get("architectures") or [""])[0]
+    kind = next((k for k in KINDS.values() if arch.endswith(k.hf_auto.removeprefix("AutoModel"))), None)
+    if kind is None or kind.pyfunc_task not in DIR_INPUTS:
+        raise UserError(f"MODEL {path}: {arch or 'no architecture'} is not a fine-tuned head of a task kind "
+                        f"({', '.join(k.hf_auto.removeprefix('Auto') for k in KINDS.values())}); batch predictions "
+                        f"answer a task")
     problem = "regression" if config.get("problem_type") == "regression" or config.get("num_labels") == 1 else ""
     outputs = kind.signature_outputs(_Problem(problem or kind.problems[0]))
     digest = hashlib.sha256("".join(file_digest(p) for p in sorted(Path(path).iterdir()) if p.is_file()).encode())

@@ -95,7 +95,9 @@ def _rows(path: str, records: list[tuple[int, list | None, str | None]], names: 
     cols: dict[str, Any] = {ROW_ID: [doc_id(path, i) for i, _, _ in records], SOURCE: [path] * len(records),
                             INDEX: pa.array([i for i, _, _ in records], pa.int64())}
     for j, name in enumerate(names):
-        cols[name] = pa.array([v[j] if v is not None else None for _, v, _ in records], pa.large_string())
+        values = [v[j] if v is not None else None for _, v, _ in records]
+        listed = any(isinstance(v, list) for v in values)  # a list of texts per row (multiple-choice options)
+        cols[name] = pa.array(values, pa.list_(pa.large_string()) if listed else pa.large_string())
     cols[REASON] = pa.array([r for _, _, r in records], pa.string())
     return pa.table(cols)
 
@@ -130,9 +132,7 @@ class Predictor:
                 out = onnx_export.run(sess, ids.numpy(), mask.numpy())
                 return self.kind.hf_logits(types.SimpleNamespace(**{k: torch.from_numpy(v) for k, v in out.items()}))
         else:
-            from deberta.onnx_export import load_torch
-
-            model = load_torch(path)
+            model = getattr(transformers, self.kind.hf_auto).from_pretrained(str(path)).eval()  # as the pyfunc
 
             def forward(ids, mask):
                 return self.kind.hf_logits(model(input_ids=ids, attention_mask=mask))

@@ -373,10 +373,16 @@ def read_file(path: str, opts: CorpusConfig) -> Iterator[Record]:
         yield Record(path, -1, reason="file contains no documents (empty)")
 
 
+def _texts(value) -> bool:
+    """Text, or a non-empty list of texts."""
+    return isinstance(value, str) or (isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value))
+
+
 def read_fields(path: str, fields: Sequence[str], max_bytes: int) -> Iterator[tuple[int, list | None, str | None]]:
     """(index, values of `fields` or None, reason or None) of every record of one file, by the readers above: a
     `.txt` line (one field: the line), a JSONL object's fields, a Parquet row's columns; compressed as `read_file`
-    reads. A record without a field, or one that is not text, comes with its reason (the file goes on); a file that
+    reads. A field is text or a list of texts (a multiple-choice row's options). A record without a field, or one
+    whose field is neither, comes with its reason (the file goes on); a file that
     cannot be read yields one (-1, None, reason). `index` is `read_file`'s, so `doc_id(path, index)` is the corpus
     stage's id of the same record."""
     fmt, codec = file_kind(path)
@@ -394,7 +400,7 @@ def read_fields(path: str, fields: Sequence[str], max_bytes: int) -> Iterator[tu
             index = 0
             for batch in pf.iter_batches(batch_size=1024, columns=list(fields)):
                 for values in zip(*(c.to_pylist() for c in batch.columns)):
-                    bad = next((f for f, v in zip(fields, values) if not isinstance(v, str)), None)
+                    bad = next((f for f, v in zip(fields, values) if not _texts(v)), None)
                     yield (index, None, f"row {index}: {bad!r} is not text") if bad else (index, list(values), None)
                     index += 1
             return
@@ -412,8 +418,8 @@ def read_fields(path: str, fields: Sequence[str], max_bytes: int) -> Iterator[tu
                 yield i, None, f"line {i + 1}: invalid JSON ({e.msg} at column {e.colno})"
                 continue
             values = [obj.get(f) if isinstance(obj, dict) else None for f in fields]
-            bad = next((f for f, v in zip(fields, values) if not isinstance(v, str)), None)
-            yield (i, None, f"line {i + 1}: no string field {bad!r}") if bad else (i, values, None)
+            bad = next((f for f, v in zip(fields, values) if not _texts(v)), None)
+            yield (i, None, f"line {i + 1}: no field {bad!r} of text") if bad else (i, values, None)
     except READ_ERRORS as e:
         yield -1, None, f"read failed: {type(e).__name__}: {e}"
 

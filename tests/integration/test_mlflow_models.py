@@ -255,7 +255,7 @@ def test_batch_prediction_refusals_are_one_line(mlflow_server, registered, news_
     corpus, out = str(news_subset(300)), tmp_path / "predictions"
     base = ["--input", corpus, "--output", str(out), "--cache", str(tmp_path / "cache")]
     for argv, fragment in [
-        (["models:/deberta-debug-clf@champion", *base], "no string field 'sentence1'; the model reads ['sentence1']: "
+        (["models:/deberta-debug-clf@champion", *base], "no field 'sentence1' of text; the model reads ['sentence1']: "
                                                         "name the input's field with --column sentence1=FIELD"),
         (["models:/deberta-debug-clf@champion", *base, "--column", "label=text"],
          "the model does not read a column 'label'; it reads ['sentence1']"),
