@@ -29,7 +29,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 
 from bench.common import RESULTS, command_line, emit, load_average
 
