@@ -1,5 +1,5 @@
-"""ONNX export of a fine-tuned HF export (`deberta.hf.save_pretrained`): the sequence, token and span heads, for
-onnxruntime.
+"""ONNX export of a fine-tuned HF export (`deberta.hf.save_pretrained`): the sequence, token, span and
+multiple-choice heads, for onnxruntime.
 
 `torch.onnx.export` with the TorchScript exporter (`dynamo=False`): it traces transformers' `DebertaV2For*` once at
 a small batch and length, with the batch and sequence axes dynamic. The disentangled attention traces to a graph
@@ -8,7 +8,7 @@ runtime shapes with torch ops; `check` verifies it for each export on real rows 
 (tests/unit/test_onnx_export.py at 5 to 128 positions). The torch.export exporter (`dynamo=True`) would need one
 more package (onnxscript) for no gain here.
 
-What it refuses (ValueError): anything but the three fine-tuned heads (a masked LM or a bare encoder is not a task
+What it refuses (ValueError): anything but the fine-tuned heads (a masked LM or a bare encoder is not a task
 with answers here), and a model whose ONNX logits differ from torch's by more than `TOLERANCE`.
 
 transformers, onnx and onnxruntime are imported inside the functions: the rest of `deberta/` needs torch only.
@@ -26,8 +26,10 @@ import numpy as np
 import torch
 
 OUTPUTS = {"DebertaV2ForSequenceClassification": ("logits",), "DebertaV2ForTokenClassification": ("logits",),
-           "DebertaV2ForQuestionAnswering": ("start_logits", "end_logits")}
+           "DebertaV2ForQuestionAnswering": ("start_logits", "end_logits"), "DebertaV2ForMultipleChoice": ("logits",)}
 """The exportable architectures and their outputs' names (transformers' own)."""
+CHOICES = {"DebertaV2ForMultipleChoice"}
+"""Architectures whose inputs are (B, K, T): K options per example, an axis of its own (its logits are (B, K))."""
 INPUTS = ("input_ids", "attention_mask")
 TOLERANCE = 1e-4
 """Largest |ONNX - torch| logit accepted: fp32 against fp32, so what differs is summation order (~1e-6)."""
@@ -57,12 +59,16 @@ def load_torch(hf_dir: str | Path) -> torch.nn.Module:
 
 def export(hf_dir: str | Path, out_dir: str | Path) -> Path:
     """`out_dir`/model.onnx from the HF export `hf_dir` (written beside and renamed: a file there is whole)."""
-    names = OUTPUTS[architecture(hf_dir)]
+    arch = architecture(hf_dir)
+    names, choices = OUTPUTS[arch], arch in CHOICES
     model = load_torch(hf_dir)
     model.config.return_dict = False  # a tuple of tensors traces; a ModelOutput's names come from `names`
-    ids = torch.randint(5, min(100, model.config.vocab_size), (2, 16))  # (B, T): one row padded, so masks trace
+    shape = (2, 3, 16) if choices else (2, 16)  # (B, T) or (B, K, T): one row padded, so masks trace
+    ids = torch.randint(5, min(100, model.config.vocab_size), shape)
     mask = torch.ones_like(ids)
-    ids[1, 9:], mask[1, 9:] = 0, 0
+    ids[1, ..., 9:], mask[1, ..., 9:] = 0, 0
+    axes = {0: "batch", 1: "choices", 2: "sequence"} if choices else {0: "batch", 1: "sequence"}
+    out_axes = {0: "batch", 1: "choices"} if choices else axes
     out = Path(out_dir) / FILE
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{FILE}-{uuid.uuid4().hex[:8]}")
@@ -70,7 +76,7 @@ def export(hf_dir: str | Path, out_dir: str | Path) -> Path:
         with warnings.catch_warnings():  # the tracer's notes on Python values in the graph: checked by `check`
             warnings.simplefilter("ignore")
             torch.onnx.export(model, (ids, mask), str(tmp), input_names=list(INPUTS), output_names=list(names),
-                              dynamic_axes={n: {0: "batch", 1: "sequence"} for n in (*INPUTS, *names)},
+                              dynamic_axes={**{n: axes for n in INPUTS}, **{n: out_axes for n in names}},
                               opset_version=OPSET, dynamo=False)
         os.replace(tmp, out)
     finally:
@@ -89,13 +95,14 @@ def session(onnx_path: str | Path, threads: int = 0):
 
 
 def run(sess, ids: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
-    """Outputs by name for int64 (B, T) ids and mask."""
+    """Outputs by name for int64 (B, T) ids and mask ((B, K, T) for multiple choice)."""
     got = sess.run(None, {"input_ids": ids.astype(np.int64), "attention_mask": mask.astype(np.int64)})
     return {o.name: v for o, v in zip(sess.get_outputs(), got)}
 
 
 def difference(hf_dir: str | Path, onnx_path: str | Path, *batches: np.ndarray) -> float:
-    """Largest |ONNX - torch| over every output, for batches of token rows (N, T) right-padded with 0 ([PAD])."""
+    """Largest |ONNX - torch| over every output, for batches of token rows (N, T), or (N, K, T) for multiple
+    choice, right-padded with 0 ([PAD])."""
     model, sess = load_torch(hf_dir), session(onnx_path)
     worst = 0.0
     for ids in batches:
