@@ -76,6 +76,34 @@ PRECISIONS = ("auto", "fp32", "bf16")
 PROBE_FIELDS = ("probes", "probe_interval", "probe_examples", "probe_epochs", "probe_lr", "probe_batch_size",
                 "probe_warmup_steps", "probe_seeds", "probe_max_seq_len", "probe_cpus", "probe_gpus")
 
+ACTIVATION_CHECKPOINTING = "none, all, or every-K (K >= 1: layers 0, K, 2K, ...; every-1 is all)"
+OFFLOADS = ("none", "optimizer", "optimizer+parameters")
+
+
+def checkpoint_every(value: str, key: str = "pretrain.activation_checkpointing") -> int:
+    """`activation_checkpointing` -> K: the encoder recomputes layers 0, K, 2K, ... in the backward pass (1: every
+    layer; 0: none). ConfigError naming `key` for anything else."""
+    text = value.strip().lower()
+    if text == "none":
+        return 0
+    if text == "all":
+        return 1
+    k = text.removeprefix("every-")
+    _check(text.startswith("every-") and k.isdigit() and int(k) >= 1,
+           f"{key}={value!r}: use {ACTIVATION_CHECKPOINTING}, e.g. {key}=every-2")
+    return int(k)
+
+
+def check_offload(offload: str, zero_stage: int, section: str) -> None:
+    """DeepSpeed's ZeRO-Offload: optimizer states from ZeRO-1 on, parameters only where ZeRO-3 partitions them."""
+    _check(offload in OFFLOADS, f"{section}.offload={offload!r}: use one of {', '.join(OFFLOADS)}")
+    _check(offload == "none" or zero_stage >= 1,
+           f"{section}.offload={offload}: DeepSpeed offloads the optimizer states ZeRO shards, and ZeRO-0 shards "
+           f"none; set {section}.zero_stage=1, 2 or 3 (or offload=none)")
+    _check(offload != "optimizer+parameters" or zero_stage == 3,
+           f"{section}.offload=optimizer+parameters: DeepSpeed offloads parameters only under ZeRO-3, which "
+           f"partitions them (zero_stage={zero_stage}); set {section}.zero_stage=3, or offload=optimizer")
+
 
 def check_zero_stage(stage: int, section: str) -> None:
     _check(stage in ZERO_STAGES, f"{section}.zero_stage={stage}: DeepSpeed ZeRO stages are 0, 1, 2 and 3 "
@@ -287,6 +315,16 @@ class PretrainConfig(Section):
     """Attention stays inside each document of a packed row (block-diagonal, from the token shards' `doc_index`
     column; relative positions inside a document unchanged). Off by default: today's results stay as they were.
     Read by the objectives that say so (`reads_documents`: mlm; the RTD pair and SOP's one-document rows do not)."""
+    activation_checkpointing: str = "none"
+    """Recompute encoder layers in the backward pass instead of keeping their activations: "none", "all" (every
+    layer keeps only its input), or "every-K" (layers 0, K, 2K, ...). Same losses (torch's non-reentrant checkpoint
+    restores the RNG, so dropout repeats), less memory, more time: docs/pretraining.md has the memory plan."""
+    offload: str = "none"
+    """DeepSpeed ZeRO-Offload: "none", "optimizer" (fp32 master weights and Adam's moments in CPU memory, the step
+    on the CPU; ZeRO 1-3) or "optimizer+parameters" (parameters too; ZeRO-3 only)."""
+    gpu_memory_gb: float | None = None
+    """Memory of one training GPU in GB (1e9 bytes) for the memory plan (`--dry-run`, and the check before a GPU run);
+    None: the driver's GPU when it has one, else the plan names no limit."""
 
     probes: tuple[str, ...] = ()
     """Fine-tuning tasks to probe the run with (built-in names or task directories, any kind; `stages.pretrain.probes`):
@@ -315,9 +353,11 @@ class PretrainConfig(Section):
 
     HOW: ClassVar[frozenset[str]] = frozenset({"log_interval", "eval_interval", "eval_batches", "ckpt_interval",
                                                "max_failures", "cpus_per_worker", "placement_strategy", "init",
-                                               "generator_init", "compile", *PROBE_FIELDS})
+                                               "generator_init", "compile", "activation_checkpointing", "offload",
+                                               "gpu_memory_gb", *PROBE_FIELDS})
     """`init` and `generator_init` name where the weights come from; their digests are the stage's inputs. The probes
-    measure the run without changing its weights."""
+    measure the run without changing its weights; checkpointing and offload change where and when numbers are kept,
+    not the numbers."""
 
     def check(self) -> None:
         check_zero_stage(self.zero_stage, "pretrain")
@@ -332,6 +372,10 @@ class PretrainConfig(Section):
                f"pretrain.placement_strategy={self.placement_strategy!r}: use one of {', '.join(PLACEMENTS)}")
         _check(self.precision in PRECISIONS, f"pretrain.precision={self.precision!r}: use one of {', '.join(PRECISIONS)}")
         check_probes(self)
+        checkpoint_every(self.activation_checkpointing)
+        check_offload(self.offload, self.zero_stage, "pretrain")
+        _check(self.gpu_memory_gb is None or self.gpu_memory_gb > 0,
+               f"pretrain.gpu_memory_gb={self.gpu_memory_gb}: must be > 0 (or none)")
 
 
 @dataclass(frozen=True)
@@ -399,13 +443,15 @@ class FinetuneConfig(Section):
     control: str = ""
     """"scratch": also sweep the same grid and seeds from the same architecture's initial weights (the from-scratch
     control, `stages.finetune.control`) and record the champion's gain over it on its registry version; "": none."""
+    activation_checkpointing: str = "none"
+    """As pretrain.activation_checkpointing, for the trials' backbone."""
     max_failures: int = 2
     """Retries of a trial whose process, worker or node dies (Tune's `FailureConfig`, the one level that retries:
     a DeepSpeed trial's Ray Train run has none of its own, so a lost worker fails the trial and Tune restarts it).
     A torch trial resumes from its newest epoch checkpoint, a DeepSpeed trial from scratch; -1 retries forever."""
 
     HOW: ClassVar[frozenset[str]] = frozenset({"task", "init", "max_concurrent_trials", "cpus_per_trial",
-                                               "max_failures", "compile"})
+                                               "max_failures", "compile", "activation_checkpointing"})
     """`task` and `init` name where the examples and the checkpoint come from; their own ids (digests) are the
     stage's inputs, so one checkpoint reached by two paths is one artifact."""
 
@@ -431,6 +477,7 @@ class FinetuneConfig(Section):
         _check(self.precision in PRECISIONS, f"finetune.precision={self.precision!r}: use one of {', '.join(PRECISIONS)}")
         _check(self.control in ("", "scratch"), f"finetune.control={self.control!r}: use scratch (sweep the same grid "
                                                 f"from the initial weights too) or leave it empty")
+        checkpoint_every(self.activation_checkpointing, "finetune.activation_checkpointing")
         check_finetune_trainer(self)
 
 

@@ -232,8 +232,9 @@ class DebertaEncoder(nn.Module):
         if cfg.norm_rel_ebd:
             self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.conv = ConvLayer(cfg) if cfg.conv_kernel_size > 0 else None
-        self.gradient_checkpointing = False
-        """Recompute each layer in the backward pass (set from outside, like any distribution choice)."""
+        self.gradient_checkpointing: int = 0
+        """K: recompute layers 0, K, 2K, ... in the backward pass, keeping only their inputs (1 or True: every
+        layer; 0 or False: none). Set from outside, like any distribution choice (`set_activation_checkpointing`)."""
 
     def layer_at(self, depth: int) -> DebertaLayer:
         """The layer run at `depth` (0-based); with share_layers="all" the one layer at every depth."""
@@ -259,8 +260,10 @@ class DebertaEncoder(nn.Module):
         x = emb
         for i in range(self.cfg.num_hidden_layers)[:num_layers]:
             layer = self.layer_at(i)
-            if self.gradient_checkpointing and self.training:
-                x_new = checkpoint(layer, x, mask, rel, use_reentrant=False)
+            if self.training and self.gradient_checkpointing and i % int(self.gradient_checkpointing) == 0:
+                # non-reentrant: works with ZeRO-3's parameter hooks and compile; the RNG state of the first run is
+                # restored for the recomputation, so dropout draws the same masks and the step is unchanged
+                x_new = checkpoint(layer, x, mask, rel, use_reentrant=False, preserve_rng_state=True)
             else:
                 x_new = layer(x, mask, rel)
             if i == 0 and self.conv is not None:
@@ -269,6 +272,16 @@ class DebertaEncoder(nn.Module):
                 x_new = self.conv(emb, x_new, key_mask)
             x = x_new
         return x, rel
+
+
+def set_activation_checkpointing(model: nn.Module, every: int) -> int:
+    """Every encoder in `model` (MLM, RTD's generator and discriminator, a fine-tuning head's backbone) recomputes
+    layers 0, `every`, 2 `every`, ... in its backward pass (0: none). Returns the encoders set. The EMD's two passes
+    of the last layer and the heads keep their activations: they run on the masked positions only."""
+    encoders = [m for m in model.modules() if isinstance(m, DebertaEncoder)]
+    for encoder in encoders:
+        encoder.gradient_checkpointing = every
+    return len(encoders)
 
 
 def document_mask(document_ids: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:

@@ -40,6 +40,9 @@ class DeepSpeedConfig:
     """GPUs (NCCL) or CPUs (gloo)."""
     bf16: bool = False
     """DeepSpeed's bf16 mode (`training.precision.deepspeed_bf16`: the run's precision decides, nothing else)."""
+    offload: str = "none"
+    """ZeRO-Offload (`core.config.OFFLOADS`): "optimizer" keeps the fp32 master weights and Adam's moments in CPU
+    memory and steps them there; "optimizer+parameters" (ZeRO-3) also keeps the parameters there between uses."""
     zero_options: Mapping[str, Any] = field(default_factory=dict)
     """Extra `zero_optimization` settings (tests size DeepSpeed's buffers for a CPU with them)."""
 
@@ -60,6 +63,11 @@ class DeepSpeedConfig:
         zero: dict[str, Any] = {"stage": self.zero_stage}
         if self.zero_stage >= 2:
             zero.update(contiguous_gradients=True, overlap_comm=self.use_gpu, reduce_scatter=True)
+        if self.offload != "none":
+            # DeepSpeed's own offload; pinned pages speed the GPU's copies (there is nothing to pin for on a CPU)
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": self.use_gpu}
+            if self.offload == "optimizer+parameters":
+                zero["offload_param"] = {"device": "cpu", "pin_memory": self.use_gpu}
         if self.partitions_parameters:
             # lets `engine.save_16bit_model` gather a full state dict (fine-tuning saves the best epoch with it)
             zero["stage3_gather_16bit_weights_on_model_save"] = True
@@ -71,6 +79,8 @@ class DeepSpeedConfig:
             "gradient_clipping": self.grad_clip,
             "zero_optimization": zero,
             "zero_allow_untested_optimizer": True,  # the client torch AdamW
+            # ... also under offload, where DeepSpeed would ask for its DeepSpeedCPUAdam (`training.engine` says why)
+            "zero_force_ds_cpu_optimizer": False,
             "bf16": {"enabled": bool(self.bf16)},
             "fp16": {"enabled": False},
             "steps_per_print": QUIET_STEPS,
@@ -81,7 +91,8 @@ class DeepSpeedConfig:
 def build_deepspeed_config(cfg: PretrainConfig, world_size: int, use_gpu: bool) -> DeepSpeedConfig:
     """The pretraining engine on `world_size` workers."""
     return DeepSpeedConfig(cfg.train_batch_size, cfg.micro_batch_size, pretrain_accumulation(cfg, world_size),
-                           cfg.grad_clip, cfg.zero_stage, use_gpu, deepspeed_bf16(cfg.precision, use_gpu))
+                           cfg.grad_clip, cfg.zero_stage, use_gpu, deepspeed_bf16(cfg.precision, use_gpu),
+                           offload=cfg.offload)
 
 
 def build_finetune_config(grad_clip: float, zero_stage: int, use_gpu: bool, batch_size: int,

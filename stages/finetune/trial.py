@@ -37,7 +37,7 @@ from training.engine import Engine, OptimSpec, build
 from deberta import checkpoint
 from deberta.config import DebertaConfig
 from deberta.sift import sift_loss
-from core.config import FinetuneConfig
+from core.config import FinetuneConfig, checkpoint_every
 from core.errors import StageInputError
 from stages.finetune.kinds.base import EVAL_BATCH, Encoded, TaskKind
 
@@ -88,7 +88,9 @@ def trial_engine(setup: TrialSetup, config: dict[str, Any], weights: dict[str, t
     arithmetic = precision.resolve(ft.precision, ft.use_gpu, setup.model.hidden_size)
     return build(lambda: build_classifier(setup, config), spec, weights=weights,
                  init_module=lambda m: init_weights(m, setup.model), compile=ft.compile,
-                 autocast=precision.autocast_dtype(arithmetic, ft.use_gpu, deepspeed), **engine_kw)
+                 autocast=precision.autocast_dtype(arithmetic, ft.use_gpu, deepspeed),
+                 checkpoint_every=checkpoint_every(ft.activation_checkpointing, "finetune.activation_checkpointing"),
+                 **engine_kw)
 
 
 def epoch_batches(n: int, batch_size: int, rng: np.random.Generator, world: int = 1) -> list[np.ndarray]:

@@ -29,7 +29,7 @@ import torch
 import stages.pretrain.data as data
 from core import artifacts
 from core.artifacts import Artifact
-from core.config import PretrainConfig
+from core.config import PretrainConfig, checkpoint_every
 from deberta.config import DebertaConfig
 from deberta.masking import SpanMasker
 from stages.pretrain.checkpoints import TrainState, restore, save_and_report
@@ -178,7 +178,8 @@ def build_engine(job: LoopJob, use_gpu: bool) -> Engine:
     arithmetic = precision.resolve(job.cfg.precision, use_gpu, job.model.hidden_size)
     return build(factory, optim_spec(job.cfg), ds_config=job.ds_config, backend="nccl" if use_gpu else "gloo",
                  seed=job.cfg.seed, init_module=init_module, weights=weights,
-                 autocast=precision.autocast_dtype(arithmetic, use_gpu, deepspeed=True), compile=job.cfg.compile)
+                 autocast=precision.autocast_dtype(arithmetic, use_gpu, deepspeed=True), compile=job.cfg.compile,
+                 checkpoint_every=checkpoint_every(job.cfg.activation_checkpointing))
 
 
 def shard_columns(job: LoopJob) -> tuple[str, ...]:
