@@ -85,6 +85,32 @@ def local_gpus() -> int:
 
 
 def cluster_fit(cfg: PipelineConfig, stages: list[str]) -> ClusterFit:
+    """What the cluster lacks (`ray_fit`) and, for a GPU pretraining run, whether its memory plan fits one GPU
+    (`gpu_memory_fit`): both before Ray starts."""
+    fit, memory = ray_fit(cfg, stages), gpu_memory_fit(cfg, stages)
+    if not memory.line:
+        return fit
+    lacks = "; ".join(x for x in (fit.lacks, memory.lacks) if x)
+    return ClusterFit(f"{fit.line}\n{memory.line}", lacks)
+
+
+def gpu_memory_fit(cfg: PipelineConfig, stages: list[str]) -> ClusterFit:
+    """A GPU pretraining run against one GPU's memory (`pretrain.gpu_memory_gb`, else this machine's GPU): the
+    memory plan of `stages.pretrain.estimates`; nothing to say when neither names a memory."""
+    p = cfg.pretrain
+    if "pretrain" not in stages or not p.use_gpu:
+        return ClusterFit("")
+    from stages.pretrain.estimates import GB, gpu_memory_bytes, memory_lacks
+
+    memory = gpu_memory_bytes(p)
+    if memory is None:
+        return ClusterFit("memory: no GPU here and no pretrain.gpu_memory_gb: the plan's fit to a GPU is not checked")
+    lacks = memory_lacks(p, cfg.model, cfg.tokenize.max_seq_len, memory)
+    verdict = f"it does not fit: {lacks}" if lacks else "the pretraining plan fits it"
+    return ClusterFit(f"memory: {memory / GB:.3g} GB per GPU; {verdict}", lacks)
+
+
+def ray_fit(cfg: PipelineConfig, stages: list[str]) -> ClusterFit:
     """`check_cluster` against the local Ray this run would start (ray.num_cpus or this machine's CPUs, its GPUs),
     before anything starts; a cluster the run joins (RAY_ADDRESS, `ray job submit`) is checked once joined."""
     import os

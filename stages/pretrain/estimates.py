@@ -2,6 +2,11 @@
 (the sequences tokenize writes), compute, and time: on GPUs (`pretrain.use_gpu=true`) ZeRO-2/3 model-state memory per
 GPU (DeepSpeed's own estimators) and the utilisation last measured on a GPU; on CPUs the step time this machine
 measured for the presets' CPU models (bench/cpu_plan.py -> CPU_TABLE).
+
+The memory plan (`memory_plan`): per GPU, the model states of the configured ZeRO stage and offload plus the
+activations of one micro-batch (`deberta.activations`, docs/pretraining.md "Memory plan"), the largest micro-batch
+that fits a GPU's memory with and without activation checkpointing, and (`memory_lacks`) the refusal of a GPU run
+that does not fit, before Ray starts.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import contextlib
 import io
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -61,6 +67,133 @@ def zero_estimates(total: int, largest: int, nodes: int, gpus_per_node: int) -> 
     _, zero3, _ = estimate_zero3_model_states_mem_needs(total, largest, gpus_per_node, nodes, cpu_offload=False,
                                                         cpu_offload_params=False, zero_init=True)
     return zero2, zero3, tables.getvalue()
+
+
+GB = 10**9
+GIB = 2**30
+PLAN_MEMORIES_GB = (80, 24)
+"""The GPU memories the plan always states the largest micro-batch at: an 80 GB card (H100, A100 80GB) and a 24 GB
+one (A10, L4, RTX 3090/4090)."""
+RESERVE_BYTES = 2 * GIB
+"""Kept out of each GPU's memory for the CUDA context, NCCL's buffers and the caching allocator's fragmentation: an
+allowance, not a measurement (bench/gpu_check.sh measures the peak of a real step)."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One GPU (or CPU worker) of the run: model states, and activations per sequence (they grow linearly with the
+    micro-batch) with the configured checkpointing and with none and every layer."""
+
+    states: int
+    """Bytes of model states per device: DeepSpeed's estimators (ZeRO-2/3), ZeRO-Offload's share moved to the CPU."""
+    per_sequence: dict[int, int]
+    """checkpoint_every (0: none, 1: all, K) -> activation bytes of one sequence (`Activations.total`)."""
+    every: int
+    """The configured `activation_checkpointing`."""
+    micro: int
+    value_bytes: int
+
+    def needs(self, micro: int | None = None, every: int | None = None) -> int:
+        """Bytes one device needs at `micro` sequences per micro-batch (default: the configured one)."""
+        return self.states + (micro or self.micro) * self.per_sequence[self.every if every is None else every]
+
+    def largest_micro(self, memory: int, every: int | None = None) -> int:
+        """Most sequences per micro-batch whose plan fits `memory` bytes less `RESERVE_BYTES` (0: not even one)."""
+        free = memory - RESERVE_BYTES - self.states
+        return max(0, free // self.per_sequence[self.every if every is None else every])
+
+
+def model_states_bytes(cfg: PretrainConfig, total: int, largest: int) -> int:
+    """Model states per GPU for the ZeRO stage and offload configured: DeepSpeed's own estimators for ZeRO-2 and 3
+    (bf16 weights, fp32 master weights, gradients and Adam's moments); ZeRO-0/1, which DeepSpeed has none for, in
+    the same accounting (ZeRO-0: 2 + 18 bytes per parameter; ZeRO-1: whole 16-bit weights and gradients, the 16
+    bytes of fp32 states sharded)."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    nodes = max(1, math.ceil(cfg.num_workers / PLAN_GPUS_PER_NODE))
+    per_node = min(cfg.num_workers, PLAN_GPUS_PER_NODE)
+    optimizer, params = cfg.offload != "none", cfg.offload == "optimizer+parameters"
+    with contextlib.redirect_stdout(io.StringIO()):
+        if cfg.zero_stage == 3:
+            return estimate_zero3_model_states_mem_needs(total, largest, per_node, nodes, cpu_offload=optimizer,
+                                                         cpu_offload_params=params, zero_init=True)[1]
+        if cfg.zero_stage == 2:
+            return estimate_zero2_model_states_mem_needs(total, per_node, nodes, cpu_offload=optimizer)[1]
+    if cfg.zero_stage == 1:
+        return 4 * total + (0 if optimizer else 16 * total // cfg.num_workers)
+    return 20 * total
+
+
+def memory_plan(cfg: PretrainConfig, objective: Objective, model: "DebertaConfig", seq_len: int,
+                total: int | None = None, largest: int | None = None) -> MemoryPlan:
+    """The memory plan of one device of the run (GPU with `use_gpu`, else a CPU worker's RAM: fp32 states)."""
+    from core.config import checkpoint_every
+    from deberta.activations import Shape
+    from training.precision import resolve
+
+    total = objective.parameter_counts(model)["total"] if total is None else total
+    largest = largest_layer_params(objective, model) if largest is None else largest
+    every = checkpoint_every(cfg.activation_checkpointing)
+    bf16 = resolve(cfg.precision, cfg.use_gpu, model.hidden_size) == "bf16"
+    shape = Shape(seq_len, 1, value_bytes=2 if bf16 else 4, device="cuda" if cfg.use_gpu else "cpu")
+    per_sequence = {k: objective.activations(model, shape, k).total for k in {0, 1, every}}
+    states = model_states_bytes(cfg, total, largest) if cfg.use_gpu else 16 * total
+    return MemoryPlan(states, per_sequence, every, cfg.micro_batch_size, shape.value_bytes)
+
+
+def _gb(n: int) -> str:
+    return f"{n / GB:.3g} GB"
+
+
+def memory_lines(cfg: PretrainConfig, plan: MemoryPlan, seq_len: int, gpu_memory: int | None) -> list[str]:
+    """The dry run's memory lines: states + activations per device, the largest micro-batch that fits."""
+    ckpt = cfg.activation_checkpointing
+    where = f"ZeRO-{cfg.zero_stage}, offload {cfg.offload}" if cfg.use_gpu else "fp32 weights, gradients, Adam"
+    acts = plan.micro * plan.per_sequence[plan.every]
+    lines = [f"  memory per {'GPU' if cfg.use_gpu else 'worker'} (docs/pretraining.md, Memory plan): model states "
+             f"{_gb(plan.states)} ({where}) + activations {_gb(acts)} (micro {plan.micro} x {seq_len} tokens, "
+             f"{8 * plan.value_bytes}-bit, activation_checkpointing={ckpt}) = {_gb(plan.needs())}"]
+    if not cfg.use_gpu:
+        return lines
+    memories = [(m * GB, f"{m} GB") for m in PLAN_MEMORIES_GB if gpu_memory != m * GB]
+    if gpu_memory is not None:
+        memories.insert(0, (gpu_memory, f"the run's GPU, {_gb(gpu_memory)},"))
+    settings = [(0, "none"), (1, "all")] + ([(plan.every, ckpt)] if plan.every > 1 else [])
+    for memory, name in memories:
+        fits = ", ".join(f"{plan.largest_micro(memory, k)} ({label})" for k, label in settings)
+        lines.append(f"  largest micro-batch per GPU at {name} (less {RESERVE_BYTES / GIB:.0f} GiB reserve), by "
+                     f"activation checkpointing: {fits}")
+    if gpu_memory is not None:
+        verdict = "fits" if plan.needs() <= gpu_memory - RESERVE_BYTES else "DOES NOT FIT"
+        lines.append(f"  this plan {verdict} the run's GPU, {_gb(gpu_memory)} (less the reserve)")
+    return lines
+
+
+def gpu_memory_bytes(cfg: PretrainConfig) -> int | None:
+    """One training GPU's memory: `pretrain.gpu_memory_gb`, else this machine's first GPU's, else None (unknown)."""
+    if cfg.gpu_memory_gb is not None:
+        return int(cfg.gpu_memory_gb * GB)
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+
+
+def memory_lacks(cfg: PretrainConfig, model: "DebertaConfig", seq_len: int, gpu_memory: int) -> str:
+    """Empty when a micro-batch of the plan fits `gpu_memory` bytes per GPU; else what does not fit and the fixes
+    (the real run refuses with it before Ray starts)."""
+    plan = memory_plan(cfg, objective_for(cfg), model, seq_len)
+    if plan.needs() <= gpu_memory - RESERVE_BYTES:
+        return ""
+    fixes = [f"pretrain.micro_batch_size={plan.largest_micro(gpu_memory)}"] if plan.largest_micro(gpu_memory) else []
+    if plan.every != 1 and plan.largest_micro(gpu_memory, 1) >= 1:
+        fixes.append("pretrain.activation_checkpointing=all (fits "
+                     f"micro {plan.largest_micro(gpu_memory, 1)})")
+    if cfg.offload != "optimizer+parameters" and plan.states > plan.needs() - plan.states:
+        fixes.append("pretrain.offload=optimizer (ZeRO 1-3) or optimizer+parameters (ZeRO-3)")
+    return (f"pretrain: a GPU needs {_gb(plan.needs())} (model states {_gb(plan.states)} + activations of micro "
+            f"{plan.micro} x {seq_len} tokens), more than its {_gb(gpu_memory)} less {RESERVE_BYTES / GIB:.0f} GiB "
+            f"reserve (docs/pretraining.md, Memory plan); set {' or '.join(fixes) or 'a shorter sequence'}")
 
 
 def sequence_length(model: "DebertaConfig", inputs: dict | None, tokenize=None) -> tuple[int, str]:
@@ -126,6 +259,7 @@ def cpu_lines(cfg: PretrainConfig, objective: Objective, model: "DebertaConfig",
         f"{tokens * flops_tok / 1e12:.3g} TFLOP/step",
         time_line,
         f"  model states per worker: {params_gib:.2f} GiB of RAM (fp32 weights, gradients and Adam's moments)",
+        *memory_lines(cfg, memory_plan(cfg, objective, model, seq_len, counts["total"], largest), seq_len, None),
     ]
 
 
@@ -180,8 +314,10 @@ def dry_run(cfg: PretrainConfig, model: DebertaConfig, inputs: dict | None = Non
         f"({tokens * cfg.max_steps / 1e9:,.1f}B tokens)",
         f"  model states per GPU without offload: ZeRO-2 {zero2 / 2**30:.2f} GiB, ZeRO-3 {zero3 / 2**30:.2f} GiB "
         f"(ZeRO-3 builds the model inside zero.Init, partitioned module by module)",
-        "  DeepSpeed's estimator tables (model states only: bf16 params/grads + fp32 master and Adam; no activations):",
+        "  DeepSpeed's estimator tables (model states only: bf16 params/grads + fp32 master and Adam):",
         *("    " + line for line in tables.strip().splitlines()),
+        *memory_lines(cfg, memory_plan(cfg, objective, model, seq_len, counts["total"], largest), seq_len,
+                      gpu_memory_bytes(cfg)),
     ]
     return "\n".join(lines + _blend_lines(cfg, inputs, accum))
 

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from deberta.activations import Activations, Shape
     from deberta.config import DebertaConfig
 
 
@@ -44,6 +45,11 @@ class MLM(Objective):
         from deberta import flops
 
         return flops.train_flops_per_token(model, seq_len, target_fraction=self.cfg.mlm_probability, sop=self.cfg.sop)
+
+    def activations(self, model: "DebertaConfig", shape: "Shape", checkpoint_every: int) -> "Activations":
+        from deberta.activations import mlm_activations
+
+        return mlm_activations(model, shape, checkpoint_every, self.cfg.mlm_probability, self.cfg.emd)
 
     def plan_line(self, model: "DebertaConfig", counts: dict[str, int], largest: int) -> str:
         return (f"  parameters: {counts['total']:,} (MLM with EMD position table; backbone {counts['backbone']:,}); "

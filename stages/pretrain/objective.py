@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from core.init_checkpoint import ExternalCheckpoint
+    from deberta.activations import Activations, Shape
     from deberta.config import DebertaConfig
     from deberta.masking import SpanMasker
 
@@ -138,6 +139,10 @@ class Objective:
 
     # ------------------------------------------------------------------------------------------------- plans
     def train_flops_per_token(self, model: "DebertaConfig", seq_len: int) -> float:
+        raise NotImplementedError
+
+    def activations(self, model: "DebertaConfig", shape: "Shape", checkpoint_every: int) -> "Activations":
+        """What one micro-batch of this objective's step keeps for its backward pass (`deberta.activations`)."""
         raise NotImplementedError
 
     def parameter_counts(self, model: "DebertaConfig") -> dict[str, int]:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from core.init_checkpoint import ExternalCheckpoint
+    from deberta.activations import Activations, Shape
     from deberta.config import DebertaConfig
     from deberta.masking import SpanMasker
 
@@ -134,6 +135,12 @@ class RTD(Objective):
     def eval_line(self, metrics: dict[str, float]) -> str:
         return (f" RTD accuracy {metrics['val_rtd_accuracy']:.3f} (all-original "
                 f"{metrics['val_all_original_accuracy']:.3f})")
+
+    def activations(self, model: "DebertaConfig", shape: "Shape", checkpoint_every: int) -> "Activations":
+        from deberta.activations import rtd_activations
+
+        return rtd_activations(model, self.generator_config(model), shape, checkpoint_every, self.cfg.mlm_probability,
+                               self.cfg.emd)
 
     def generator_config(self, model: "DebertaConfig") -> "DebertaConfig":
         from deberta.rtd import generator_config

@@ -63,6 +63,10 @@ class SentenceOrder(Objective):
     def eval_inputs(self, mask_step: int) -> dict[str, Any]:
         return self.inner.eval_inputs(mask_step)
 
+    def activations(self, model: "DebertaConfig", shape, checkpoint_every: int):
+        """The inner objective's: the SOP head works on one [CLS] state per sequence."""
+        return self.inner.activations(model, shape, checkpoint_every)
+
     @property
     def shard_columns(self) -> tuple[str, ...]:
         return (*self.inner.shard_columns, SOP_COLUMN)

@@ -173,3 +173,24 @@ def test_a_vocabulary_the_text_probably_cannot_fill_is_warned_of(corpora, tmp_pa
                          "--dry-run"])
     assert res.returncode == 0, res.stderr
     assert "warning: vocab.vocab_size=4000: a corpus of 1,350 bytes of text probably supports about" in res.stderr
+
+
+def test_a_gpu_plan_that_does_not_fit_its_gpus_memory_is_refused_before_ray(corpora, tmp_path):
+    """cpu-small's micro-batch of 16 x 128 on GPUs of 2.3 GB (2 GiB of them the plan's reserve): the dry run states
+    the misfit and the largest micro-batch with and without checkpointing; the real run refuses it (beside the GPUs
+    this machine lacks) with the fixes, before Ray starts."""
+    from pipeline.executor import local_gpus
+
+    if local_gpus() or os.environ.get("RAY_ADDRESS"):
+        pytest.skip("this machine has GPUs or joins a cluster")
+    args = ["--preset", "cpu-small", "--corpus", str(corpora["a"]), "--until", "pretrain", "--workdir",
+            str(tmp_path / "wd"), "--set", "pretrain.use_gpu=true", "--set", "pretrain.gpu_memory_gb=2.3"]
+    dry = pipeline_main([*args, "--dry-run"])
+    assert dry.returncode == 0, dry.stderr
+    assert "memory: 2.3 GB per GPU; it does not fit: pretrain: a GPU needs" in dry.stdout
+    largest = re.search(r"largest micro-batch per GPU at the run's GPU, 2.3 GB, .*?: (\d+) \(none\), (\d+) \(all\)",
+                        dry.stdout)
+    assert largest and 1 <= int(largest[1]) < 16 <= int(largest[2]), dry.stdout[-3000:]
+    real = pipeline_main(args)
+    assert real.returncode == 2 and not (tmp_path / "wd").exists()
+    assert f"set pretrain.micro_batch_size={largest[1]} or pretrain.activation_checkpointing=all" in real.stderr
