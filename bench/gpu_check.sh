@@ -8,6 +8,9 @@
 #                                 attention; the DeepSpeed ZeRO-2 engine and plain torch AMP in each; the base, large
 #                                 and 1.5B widths; MFU in every row (step_<width>_<variant>.json)
 #                                 gathered into one gpu_check.json (a row per width, variant and engine, with MFU)
+#   bench.activation_memory       the memory plan's activation figure (deberta.activations, CUDA: SDPA's memory-
+#                                 efficient kernel, bf16) against torch's peak allocation at the 1.5B shape (512
+#                                 tokens, micro 8), with and without activation checkpointing, and the time it costs
 # Results land in $OUT (or /tmp/gpu_check). Under 10 minutes: each part has its own timeout, and the step matrix
 # stops starting runs once the whole check has used 540 s (the rows it ran are kept). The fused rows need the
 # disentangled-flash wheel in .whl/ beside deepspeed's.
@@ -23,6 +26,9 @@ python3 -c "import torch, deepspeed, transformers; print('torch', torch.__versio
 START=$SECONDS
 if [ -z "${SKIP_TESTS:-}" ]; then echo "== tests/gpu"
 timeout 150 python3 -m pytest -q -p no:cacheprovider --noconftest tests/gpu 2>&1 | tail -4 | tee "$O/tests_gpu.txt"; fi
+echo "== bench.activation_memory 1.5b"
+timeout 240 python3 -m bench.activation_memory --shapes 1.5b --device cuda --threads 1 --steps 2 --rounds 3 \
+  --no-deepspeed --json "$O/activation_memory_1.5b.json" 2>"$O/activation_memory_1.5b.err" | tail -4
 echo "== bench.model"
 timeout 120 python3 -m bench.model --device cuda --dtype bf16 --like 1.5b --layers 8 --seq 512 --tokens 16384 \
   --steps 6 --warmup 2 --json "$O/model_bf16.json" 2>"$O/model_bf16.err" | tail -4

@@ -26,7 +26,9 @@ per pass the query-side tensors, Mq x s scores and an Mq x R c2p); the MLM head 
 and the fp32 log-softmax of its (M, V) logits, which the step also returns, M = f_mask·s·b targets. The peak
 (`Activations.total`) is the larger of: everything kept plus the head's backward (two (M, V) fp32 gradients), and,
 deeper in the backward pass when the heads are freed, the encoder's kept part plus one recomputed layer plus that
-layer's backward working set (the gradients of its scores and of the two gathered products: `working_bytes`).
+layer's backward working set (the gradients of its scores and of the two gathered products: `working_bytes`); and
+throughout, the tied word embedding's V x E gradient from the LM decoder, which autograd holds until the
+embedding's own share arrives (constant in the micro-batch).
 matmul's broadcast of the (a, R, d) position tables over the batch adds a (b, R, h) copy per c2p and p2c.
 """
 
@@ -112,6 +114,10 @@ class Activations:
     """The start of the backward pass: the gradients of the fp32 log-softmax and of the logits."""
     layer_working: int
     """One layer's backward (`working_bytes`)."""
+    tied_gradient: int = 0
+    """The word embedding's gradient from the tied LM decoder (V x E), computed at the head's backward and held by
+    autograd until the embedding's own share arrives at the end of the backward pass: one micro-batch or many, the
+    same bytes."""
 
     @property
     def kept(self) -> int:
@@ -123,7 +129,7 @@ class Activations:
         """The peak: the start of the backward pass, or a layer's backward deeper down, when the heads' and the
         decoder's activations are freed and a checkpointed layer is recomputed."""
         deep = self.encoder + self.embeddings + self.recompute + self.layer_working
-        return max(self.kept + self.head_working, deep)
+        return max(self.kept + self.head_working, deep) + self.tied_gradient
 
 
 def _checkpointed(layers: int, every: int) -> int:
@@ -148,7 +154,7 @@ def mlm_activations(cfg: DebertaConfig, shape: Shape, checkpoint_every: int = 0,
     # head inputs, the fp32 log-softmax cross-entropy keeps, the logits the step returns
     decoder += m_all * (h + 3 * dim) * e + m_all * v * (4 + e)
     return Activations(encoder, decoder, embedding_bytes(cfg, shape), layer if checkpointed else 0,
-                       2 * m_all * v * 4, working_bytes(cfg, shape))
+                       2 * m_all * v * 4, working_bytes(cfg, shape), v * dim * e)
 
 
 def rtd_activations(cfg: DebertaConfig, generator: DebertaConfig, shape: Shape, checkpoint_every: int = 0,
@@ -162,4 +168,5 @@ def rtd_activations(cfg: DebertaConfig, generator: DebertaConfig, shape: Shape, 
     encoder = (cfg.num_hidden_layers - checkpointed) * layer + checkpointed * s * b * h * e
     head = 3 * s * b * h * e  # LayerNorm input, dense input, GELU input
     return Activations(gen.encoder + encoder, gen.decoder + head, gen.embeddings + embedding_bytes(cfg, shape),
-                       layer if checkpointed else gen.recompute, gen.head_working, working_bytes(cfg, shape))
+                       layer if checkpointed else gen.recompute, gen.head_working, working_bytes(cfg, shape),
+                       gen.tied_gradient)

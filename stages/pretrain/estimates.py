@@ -85,7 +85,8 @@ class MemoryPlan:
     micro-batch) with the configured checkpointing and with none and every layer."""
 
     states: int
-    """Bytes of model states per device: DeepSpeed's estimators (ZeRO-2/3), ZeRO-Offload's share moved to the CPU."""
+    """Bytes of model states per device: DeepSpeed's estimators (ZeRO-2/3), ZeRO-Offload's share moved to the CPU,
+    and the activations' part that does not grow with the micro-batch (the tied embedding's gradient)."""
     per_sequence: dict[int, int]
     """checkpoint_every (0: none, 1: all, K) -> activation bytes of one sequence (`Activations.total`)."""
     every: int
@@ -137,8 +138,9 @@ def memory_plan(cfg: PretrainConfig, objective: Objective, model: "DebertaConfig
     every = checkpoint_every(cfg.activation_checkpointing)
     bf16 = resolve(cfg.precision, cfg.use_gpu, model.hidden_size) == "bf16"
     shape = Shape(seq_len, 1, value_bytes=2 if bf16 else 4, device="cuda" if cfg.use_gpu else "cpu")
-    per_sequence = {k: objective.activations(model, shape, k).total for k in {0, 1, every}}
-    states = model_states_bytes(cfg, total, largest) if cfg.use_gpu else 16 * total
+    one = {k: objective.activations(model, shape, k) for k in {0, 1, every}}
+    per_sequence = {k: a.total - a.tied_gradient for k, a in one.items()}
+    states = (model_states_bytes(cfg, total, largest) if cfg.use_gpu else 16 * total) + one[0].tied_gradient
     return MemoryPlan(states, per_sequence, every, cfg.micro_batch_size, shape.value_bytes)
 
 
@@ -152,7 +154,7 @@ def memory_lines(cfg: PretrainConfig, plan: MemoryPlan, seq_len: int, gpu_memory
     where = f"ZeRO-{cfg.zero_stage}, offload {cfg.offload}" if cfg.use_gpu else "fp32 weights, gradients, Adam"
     acts = plan.micro * plan.per_sequence[plan.every]
     lines = [f"  memory per {'GPU' if cfg.use_gpu else 'worker'} (docs/pretraining.md, Memory plan): model states "
-             f"{_gb(plan.states)} ({where}) + activations {_gb(acts)} (micro {plan.micro} x {seq_len} tokens, "
+             f"and the tied embedding's gradient {_gb(plan.states)} ({where}) + activations {_gb(acts)} (micro {plan.micro} x {seq_len} tokens, "
              f"{8 * plan.value_bytes}-bit, activation_checkpointing={ckpt}) = {_gb(plan.needs())}"]
     if not cfg.use_gpu:
         return lines

@@ -44,8 +44,17 @@ def run_losses(objective_name: str, checkpointing: str = "none", ds: dict | None
     return losses
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread: the tiny model steps in milliseconds, where two threads on a busy machine wait on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("objective_name", ["mlm", "rtd"])
-def test_checkpointed_steps_equal_unchecked_ones_dropout_included(objective_name):
+def test_checkpointed_steps_equal_unchecked_ones_dropout_included(objective_name, one_thread):
     plain = run_losses(objective_name)
     assert len(set(plain)) == STEPS  # the model trains: the losses move
     for checkpointing in ("all", "every-2"):
