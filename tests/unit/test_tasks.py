@@ -154,5 +154,5 @@ def test_bad_task_files_give_one_clear_message(tmp_path, files, message):
 
 
 def test_missing_task_path(tmp_path):
-    with pytest.raises(StageInputError, match=r"neither a built-in \(rotten-tomatoes, lee-sts, wnut16-ner\) nor an existing"):
+    with pytest.raises(StageInputError, match=r"neither a built-in \(rotten-tomatoes-choice, rotten-tomatoes, lee-sts, wnut16-ner\) nor an existing"):
         resolve_task(str(tmp_path / "nowhere"))
