@@ -35,7 +35,7 @@ run: $(STAMP)
 # Tests run in a fresh network namespace with only loopback up, so Ray, MLflow and
 # DeepSpeed's gloo all bind 127.0.0.1 (Ray advertises eth0 otherwise).
 test: $(STAMP)
-	unshare --net sh -c 'ip link set lo up && $(PY) -m pytest -q --timeout=1500 --durations=15 tests $(PYTEST_ARGS)'
+	unshare --net sh -c 'ip link set lo up && $(PY) -m pytest -q --timeout=1500 --durations=60 tests $(PYTEST_ARGS)'
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
