@@ -16,7 +16,7 @@ the MLM near its unigram loss): sentence order leaves chance only after ~1,500 s
 
 Pretraining: the pipeline's MLM objective (`stages.pretrain.objective_for`, SOP on top where named) and the stage's
 own step and validation pass (`stages.pretrain.loop.train_step`, `validation_sums`) on a plain torch engine of
-`training.engine`, batches made as the pretraining loop makes them (`stages.pretrain.loop.to_batch`, `sop_labels`
+`training.engine`, batches made as the pretraining loop makes them (`Objective.batch`, `sop_labels`
 with SOP); `--steps` steps for every variant. The debug model (H = 64) would be
 widened by ALBERT's E = 128, so the debug runs use `--debug-embedding` (E = 32 by default, H/2, as E = 128 is
 H/12 at 1.5B). Validation: a seeded sample of the validation split (`--eval-batches` x `--batch` rows), MLM loss
@@ -163,12 +163,11 @@ def validation_sample(tok_dir: Path, rows: int, seed: int) -> tuple[np.ndarray, 
     return ids[picked], labels[picked], opens[picked]
 
 
-def batch_of(ids: np.ndarray, labels: np.ndarray, sop: bool) -> dict:
-    """The pretraining loop's batch (`to_batch`): with `sop_labels` only for SOP runs."""
-    from stages.pretrain.loop import to_batch
+def batch_of(objective, ids: np.ndarray, labels: np.ndarray) -> dict:
+    """The pretraining loop's batch (`Objective.batch`): with `sop_labels` only for SOP runs."""
     from stages.segment_pairs import SOP_COLUMN
 
-    return to_batch({"input_ids": ids, SOP_COLUMN: labels} if sop else {"input_ids": ids})
+    return objective.batch({"input_ids": ids, SOP_COLUMN: labels})
 
 
 # ---------------------------------------------------------------------------------------------- workers
@@ -179,7 +178,7 @@ def _validation(engine, objective, masker, val, batch: int) -> dict[str, float]:
     from stages.pretrain.loop import validation_sums
 
     ids, labels, opens = val
-    batches = [batch_of(ids[i * batch:(i + 1) * batch], labels[i * batch:(i + 1) * batch], objective.cfg.sop)
+    batches = [batch_of(objective, ids[i * batch:(i + 1) * batch], labels[i * batch:(i + 1) * batch])
                for i in range(len(ids) // batch)]
     hits = []
     def sop_hits(i: int, outputs) -> None:
@@ -208,7 +207,7 @@ def _train(engine, objective, masker, train, steps: int, batch: int, every: int 
     tail, curve = [], []
     for step in range(steps):
         rows = order[step * batch:(step + 1) * batch]
-        means = train_step(engine, objective, masker, [batch_of(ids[rows], labels[rows], objective.cfg.sop)], step)
+        means = train_step(engine, objective, masker, [batch_of(objective, ids[rows], labels[rows])], step)
         means.pop("lr")
         tail = (tail + [means])[-50:]
         if every and (step + 1) % every == 0 and step + 1 < steps:

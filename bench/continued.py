@@ -121,7 +121,7 @@ def pretrain(args, tok_dir: Path, vocab_dir: Path, model) -> tuple[dict[str, Any
     from core.config import PretrainConfig
     from core.tokenizer import Tokenizer
     from stages.pretrain import objective_for
-    from stages.pretrain.loop import optim_spec, to_batch, train_step, validation_sums
+    from stages.pretrain.loop import optim_spec, train_step, validation_sums
     from training.engine import build
 
     torch.set_num_threads(args.procs * args.threads)
@@ -134,7 +134,7 @@ def pretrain(args, tok_dir: Path, vocab_dir: Path, model) -> tuple[dict[str, Any
     engine = build(factory, optim_spec(cfg), seed=cfg.seed)
     masker = objective.masker(len(tok), tok.mask_id, list(tok.special_ids.values()),
                               torch.from_numpy(tok.word_start_mask()))
-    val_batches = [to_batch({"input_ids": val[i * args.batch:(i + 1) * args.batch]})
+    val_batches = [objective.batch({"input_ids": val[i * args.batch:(i + 1) * args.batch]})
                    for i in range(min(16, len(val) // args.batch))]
     keep = sorted({round(f * args.steps) for f in args.snapshots})
     epochs = math.ceil(args.steps * args.batch / len(train))
@@ -165,7 +165,7 @@ def pretrain(args, tok_dir: Path, vocab_dir: Path, model) -> tuple[dict[str, Any
         if step == args.steps:
             break
         rows = order[step * args.batch:(step + 1) * args.batch]
-        out = train_step(engine, objective, masker, [to_batch({"input_ids": train[rows]})], step)
+        out = train_step(engine, objective, masker, [objective.batch({"input_ids": train[rows]})], step)
         if (step + 1) % RESUME_EVERY == 0:
             print(f"pretrain step {step + 1}/{args.steps}: loss {out['loss']:.4f}, "
                   f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)

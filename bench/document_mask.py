@@ -57,7 +57,7 @@ def run(on: bool, args, tok_dir: Path, vocab_dir: Path) -> dict[str, Any]:
     from deberta.config import padded_vocab_size
     from pipeline.presets import MODEL_CPU_SMALL, cpu_small
     from stages.pretrain import objective_for
-    from stages.pretrain.loop import optim_spec, to_batch, train_step, validation_sums
+    from stages.pretrain.loop import optim_spec, train_step, validation_sums
     from stages.tokenize import DOC_INDEX_COLUMN
     from training.engine import build
 
@@ -71,17 +71,17 @@ def run(on: bool, args, tok_dir: Path, vocab_dir: Path) -> dict[str, Any]:
                               torch.from_numpy(tok.word_start_mask()))
     factory, _ = objective.build_model(model)
     engine = build(factory, optim_spec(cfg), seed=0)
-    columns = ("input_ids", DOC_INDEX_COLUMN) if on else ("input_ids",)
+    columns = objective.shard_columns  # input_ids, and doc_index with document_mask
     train, val = load(tok_dir, "train"), load(tok_dir, "validation")
     order = np.random.default_rng(0).permutation(len(train["input_ids"]))
     seconds = []
     for step in range(args.steps):
         rows = order[(step * batch) % len(order):][:batch]
         started = time.perf_counter()
-        train_step(engine, objective, masker, [to_batch({c: train[c][rows] for c in columns})], step)
+        train_step(engine, objective, masker, [objective.batch({c: train[c][rows] for c in columns})], step)
         seconds.append(time.perf_counter() - started)
     n = min(args.eval_batches, len(val["input_ids"]) // batch)
-    val_batches = [to_batch({c: val[c][i * batch:(i + 1) * batch] for c in columns}) for i in range(n)]
+    val_batches = [objective.batch({c: val[c][i * batch:(i + 1) * batch] for c in columns}) for i in range(n)]
     metrics = objective.eval_metrics(validation_sums(engine, objective, masker, val_batches))
     docs = train[DOC_INDEX_COLUMN][order[:batch * args.steps]]
     return {"median_step_s": round(statistics.median(seconds[args.warmup:]), 4),

@@ -241,9 +241,9 @@ def backbone_weights(variant: str, state: dict) -> dict[str, np.ndarray]:
 
 def _validation(engine, objective, masker, val: np.ndarray, batches: int, batch: int) -> dict[str, float]:
     """The stage's validation pass on the first `batches` batches (fixed masks and RTD draws)."""
-    from stages.pretrain.loop import to_batch, validation_sums
+    from stages.pretrain.loop import validation_sums
 
-    val_batches = [to_batch({"input_ids": val[i * batch:(i + 1) * batch]})
+    val_batches = [objective.batch({"input_ids": val[i * batch:(i + 1) * batch]})
                    for i in range(min(batches, len(val) // batch))]
     sums = validation_sums(engine, objective, masker, val_batches)
     return {k: round(v, 4) for k, v in objective.eval_metrics(sums).items()}
@@ -252,7 +252,7 @@ def _validation(engine, objective, masker, val: np.ndarray, batches: int, batch:
 def _train(engine, objective, masker, train: np.ndarray, steps: int, batch: int, log_every: int) -> list[dict]:
     """`steps` of the stage's training steps over a seeded permutation of the train sequences (the same stream for
     every variant); returns the train-loss curve (means over `log_every` steps)."""
-    from stages.pretrain.loop import to_batch, train_step
+    from stages.pretrain.loop import train_step
 
     epochs = math.ceil(steps * batch / len(train)) if steps else 0
     rng = np.random.default_rng(objective.cfg.seed)
@@ -260,7 +260,7 @@ def _train(engine, objective, masker, train: np.ndarray, steps: int, batch: int,
     curve, acc = [], []
     for step in range(steps):
         rows = order[step * batch:(step + 1) * batch]
-        means = train_step(engine, objective, masker, [to_batch({"input_ids": train[rows]})], step)
+        means = train_step(engine, objective, masker, [objective.batch({"input_ids": train[rows]})], step)
         means.pop("lr")
         acc.append(means)
         if len(acc) == log_every or step == steps - 1:

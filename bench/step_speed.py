@@ -68,7 +68,7 @@ def run(model, batch: int, mode: str, steps: int, seed: int, tok_dir: Path, voca
     from core.config import PretrainConfig
     from core.tokenizer import Tokenizer
     from stages.pretrain import objective_for
-    from stages.pretrain.loop import optim_spec, to_batch, train_step
+    from stages.pretrain.loop import optim_spec, train_step
     from training.engine import build
 
     cfg = PretrainConfig(num_workers=1, micro_batch_size=batch, train_batch_size=batch, lr=5e-4, warmup_steps=10,
@@ -90,7 +90,7 @@ def run(model, batch: int, mode: str, steps: int, seed: int, tok_dir: Path, voca
     for step in range(steps):
         rows = order[(step * batch) % len(train):][:batch]
         started = time.perf_counter()
-        means = train_step(engine, objective, masker, [to_batch({"input_ids": train[rows]})], step)
+        means = train_step(engine, objective, masker, [objective.batch({"input_ids": train[rows]})], step)
         seconds.append(time.perf_counter() - started)
         losses.append(means["loss"])
     out = {"seconds": seconds, "losses": losses}

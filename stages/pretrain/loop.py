@@ -14,6 +14,9 @@ step, so a resumed run repeats the uninterrupted one step for step. The step and
 themselves (`train_step`, `validation_sums`) run without Ray.
 
 Side effects (prints, MLflow) happen on world rank 0 only, through `RankZero` (`rank_zero.py`).
+
+Which columns a batch reads, which numbers a step and a validation pass log and how the progress lines word them
+are the objective's (`Objective`): the loop names none of them.
 """
 
 from __future__ import annotations
@@ -36,8 +39,6 @@ from stages.pretrain.checkpoints import TrainState, restore, save_and_report
 from stages.pretrain.continued import SafetensorsFile
 from stages.pretrain.objective import Objective, Sums
 from stages.pretrain.rank_zero import RankZero
-from stages.segment_pairs import SOP_COLUMN
-from stages.tokenize import DOC_INDEX_COLUMN
 from training import precision
 from training.deepspeed_config import DeepSpeedConfig
 from training.engine import Engine, OptimSpec, build
@@ -51,31 +52,20 @@ EVAL_MASK_OFFSET = 1 << 40
 
 
 def dropout_seed(seed: int, step: int, rank: int) -> int:
-    """Seed of the torch RNG for optimizer step `step` on `rank`: dropout and RTD's draws repeat on resume."""
+    """Seed of the torch RNG for optimizer step `step` on `rank`: dropout and the objective's draws repeat on
+    resume."""
     return (seed * 1_000_003 + step) * 1_009 + rank
-
-
-def to_batch(columns: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    """numpy columns -> {"input_ids": (B, T) int64 (uint32 on disk), and "sop_labels": (B,) with SOP}."""
-    batch = {"input_ids": torch.from_numpy(columns["input_ids"].astype(np.int64))}  # (B, T)
-    if SOP_COLUMN in columns:
-        batch["sop_labels"] = torch.from_numpy(np.asarray(columns[SOP_COLUMN]).astype(np.int64))  # (B,)
-    if DOC_INDEX_COLUMN in columns:  # pretrain.document_mask: each token's document within its row
-        batch["document_ids"] = torch.from_numpy(columns[DOC_INDEX_COLUMN].astype(np.int64))  # (B, T)
-    return batch
 
 
 def forward(engine, masker: SpanMasker, batch: dict[str, torch.Tensor], mask_step: int,
             **extra) -> dict[str, torch.Tensor]:
-    """Mask the batch (a pure function of `mask_step`) and run the engine on it."""
-    ids = batch["input_ids"]
+    """Mask the batch's `input_ids` (a pure function of `mask_step`) and run the engine on them, with the batch's
+    other inputs (`Objective.batch`) and `extra`."""
+    ids = batch["input_ids"]  # (B, T)
     masked, labels = masker(ids, step=mask_step)  # (B, T) each
-    if "sop_labels" in batch:
-        extra["sop_labels"] = batch["sop_labels"].to(engine.device)
-    if "document_ids" in batch:
-        extra["document_ids"] = batch["document_ids"].to(engine.device)
+    inputs = {k: v.to(engine.device) for k, v in batch.items() if k != "input_ids"}
     return engine(input_ids=masked.to(engine.device), attention_mask=(ids != 0).to(engine.device),
-                  labels=labels.to(engine.device), **extra)
+                  labels=labels.to(engine.device), **inputs, **extra)
 
 
 def train_step(engine, objective: Objective, masker: SpanMasker, batches: Sequence[dict[str, torch.Tensor]],
@@ -99,7 +89,7 @@ def validation_sums(engine, objective: Objective, masker: SpanMasker, batches: S
                     rank: int = 0, world: int = 1,
                     each: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
                     extra: dict[str, Any] | None = None) -> Sums:
-    """The objective's validation totals over this rank's batches (fixed masks and generator draws: batch i of
+    """The objective's validation totals over this rank's batches (fixed masks and draws: batch i of
     rank r uses mask step EVAL_MASK_OFFSET + i * world + r). `each(i, outputs)` sees every batch's outputs; `extra`
     goes to the model with every batch."""
     engine.eval()
@@ -139,7 +129,7 @@ class LoopJob:
     word_start: bytes
     """np.packbits of the tokenizer's (len,) word-start mask (compact to ship)."""
     train_flops_per_token: float
-    """deberta.flops.train_flops_per_token at seq_len and the MLM target share."""
+    """The objective's training FLOPs per token at seq_len (`Objective.train_flops_per_token`)."""
     tracker: Any
     """core.lineage.Tracker of the stage run (rank 0 logs through it)."""
     init_weights: str = ""
@@ -182,15 +172,10 @@ def build_engine(job: LoopJob, use_gpu: bool) -> Engine:
                  checkpoint_every=checkpoint_every(job.cfg.activation_checkpointing))
 
 
-def shard_columns(job: LoopJob) -> tuple[str, ...]:
-    """The token shards' columns the loop reads: the objective's, and `doc_index` with pretrain.document_mask."""
-    return (*job.objective.shard_columns, *((DOC_INDEX_COLUMN,) if job.cfg.document_mask else ()))
-
-
 def micro_batches(job: LoopJob, rank: int, world: int, state: TrainState) -> Iterator[tuple[int, int, dict]]:
     """Endless (epoch, index in epoch, batch) of this worker, starting at the saved data position."""
     cfg = job.cfg
-    split = data.Sequences(job.train_files, shard_columns(job))
+    split = data.Sequences(job.train_files, job.objective.shard_columns)
     if data.batches_per_epoch(len(split), world, cfg.micro_batch_size) == 0:
         raise RuntimeError(f"the train split has {len(split)} sequences, fewer than micro_batch_size x workers = "
                            f"{cfg.micro_batch_size * world}; tokenize more text or use fewer workers")
@@ -198,7 +183,7 @@ def micro_batches(job: LoopJob, rank: int, world: int, state: TrainState) -> Ite
     while True:
         for n, columns in enumerate(data.rank_batches(split, cfg.seed, epoch, rank, world, cfg.micro_batch_size,
                                                       start=skip), start=skip):
-            yield epoch, n, to_batch(columns)
+            yield epoch, n, job.objective.batch(columns)
         epoch, skip = epoch + 1, 0
 
 
@@ -220,7 +205,7 @@ def validation_batches(job: LoopJob, rank: int, world: int) -> list[dict[str, to
     forward passes (ZeRO-3 gathers parameters collectively).
     """
     micro = job.cfg.micro_batch_size
-    split = data.Sequences(job.val_files, shard_columns(job))
+    split = data.Sequences(job.val_files, job.objective.shard_columns)
     total = len(split)
     want = min(total, job.cfg.eval_batches * micro * world)
     picked = np.sort(np.random.default_rng(job.cfg.seed).choice(total, size=want, replace=False))
@@ -228,7 +213,7 @@ def validation_batches(job: LoopJob, rank: int, world: int) -> list[dict[str, to
     if per_rank == 0:
         raise RuntimeError(f"the validation split has {total} sequences, fewer than micro_batch_size x workers "
                            f"= {micro * world}; tokenize more validation text")
-    mine = to_batch(split.take(picked[rank * per_rank:(rank + 1) * per_rank]))  # (N, T) ids, (N,) sop labels
+    mine = job.objective.batch(split.take(picked[rank * per_rank:(rank + 1) * per_rank]))  # (N, ...) each
     return [dict(zip(mine, parts)) for parts in zip(*(t.split(micro) for t in mine.values()))]
 
 
@@ -238,10 +223,10 @@ def source_validation_batches(job: LoopJob, rank: int, world: int) -> dict[str, 
     source whose loss rises is what a blend is watched for). Empty for one unnamed source."""
     micro = job.cfg.micro_batch_size
     samples = data.source_samples(job.val_files, job.cfg.eval_batches * micro * world, world, micro, job.cfg.seed)
-    split = data.Sequences(job.val_files, shard_columns(job)) if samples else None
+    split = data.Sequences(job.val_files, job.objective.shard_columns) if samples else None
     out = {}
     for name, picked in samples.items():
-        mine = to_batch(split.take(picked[rank]))
+        mine = job.objective.batch(split.take(picked[rank]))
         out[name] = [dict(zip(mine, parts)) for parts in zip(*(t.split(micro) for t in mine.values()))]
     return out
 
@@ -332,17 +317,18 @@ def next_step_batches(batches: Iterator[tuple[int, int, dict]], state: TrainStat
 
 
 def log_step(job: LoopJob, rank0: RankZero, engine, means: dict[str, float], state: TrainState, world: int,
-             timer: Throughput) -> None:
-    """The step's metrics averaged over workers: a progress line and MLflow points."""
+             timer: Throughput) -> dict[str, float | None]:
+    """The step's metrics averaged over workers: a progress line and MLflow points (returned)."""
     lr = means.pop("lr")
     means = job.objective.finish_step_metrics(
         {k: v / world for k, v in all_reduce_sum(means, engine.device).items()})
     metrics = {**means, "lr": lr, "grad_norm": engine.grad_norm, "epoch": state.epoch, **timer.read(state.step)}
-    parts = "".join(f" {k} {means[k]:.4f}" for k in ("mlm_loss", "rtd_loss", "rtd_accuracy", "sop_accuracy")
-                    if k in means)
-    rank0.print(f"step {state.step}/{job.cfg.max_steps} loss {metrics['loss']:.4f}{parts} lr {lr:.3e} "
+    rank0.print(f"step {state.step}/{job.cfg.max_steps} loss {metrics['loss']:.4f}{job.objective.step_line(means)} "
+                f"lr {lr:.3e} "
                 f"tokens/s {metrics['tokens_per_s']:,.0f} ETA {metrics['eta_s'] / 60:.1f} min")
-    rank0.log({k: None if v is None else float(v) for k, v in metrics.items()}, step=state.step)
+    logged = {k: None if v is None else float(v) for k, v in metrics.items()}
+    rank0.log(logged, step=state.step)
+    return logged
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -359,7 +345,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     accum = engine.accumulation
     masker = job.masker()
     nodes = worker_nodes(world)
-    rank0.print(f"{objective.name} objective, {world} workers on {len(set(nodes))} node(s), ZeRO-{cfg.zero_stage}, "
+    rank0.print(f"{objective.title} objective, {world} workers on {len(set(nodes))} node(s), ZeRO-{cfg.zero_stage}, "
                 f"{'GPU' if cfg.use_gpu else 'CPU'} {engine.precision}{', compiled' if engine.compiled else ''}, "
                 f"attention {job.model.attn_impl}, accumulation {accum}; config "
                 + json.dumps({"pretrain": asdict(cfg), "deepspeed": job.ds_config.to_dict()}, sort_keys=True))
@@ -370,11 +356,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if state.step == 0:
         rank0.log({**evaluate(engine, job, masker, val_batches, rank, world),
                    **evaluate_sources(engine, job, masker, source_val, rank, world)}, step=0)
-        released = job.objective.released_loss_inputs() if job.init_weights else None
+        released = objective.released_loss_inputs() if job.init_weights else None
         if released is not None:  # the checkpoint as transformers computes it: proof that all of it was taken
-            loss = evaluate(engine, job, masker, val_batches, rank, world, released)
-            loss = loss.get("val_mlm_loss", loss["val_loss"])
-            rank0.print(f"validation MLM loss of the released checkpoint (as transformers computes it): {loss:.4f}")
+            what, loss = objective.released_loss(evaluate(engine, job, masker, val_batches, rank, world, released))
+            rank0.print(f"validation {what} of the released checkpoint (as transformers computes it): {loss:.4f}")
             rank0.log({"val_loss_released": loss}, step=0)
     batches = micro_batches(job, rank, world, state)
     timer, last_eval, first_step = Throughput(job, world, state.step), {}, state.step
@@ -389,9 +374,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if state.step % cfg.eval_interval == 0 or done:
             last_eval = {**evaluate(engine, job, masker, val_batches, rank, world),
                          **evaluate_sources(engine, job, masker, source_val, rank, world)}
-            rank0.print(f"step {state.step} validation loss {last_eval['val_loss']:.4f} accuracy "
-                        f"{last_eval['val_accuracy']:.3f} perplexity {last_eval['val_perplexity']:.1f}"
-                        + objective.eval_line(last_eval)
+            rank0.print(f"step {state.step} validation" + objective.eval_line(last_eval)
                         + "".join(f", {k} {v:.4f}" for k, v in last_eval.items() if k.startswith("val_loss.")))
             rank0.log(last_eval, step=state.step)
         if state.step % cfg.ckpt_interval == 0 or done:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from stages.pretrain.objective import Export, Objective
+from stages.tokenize import DOC_INDEX_COLUMN
 
 if TYPE_CHECKING:
     import torch
@@ -23,13 +24,19 @@ if TYPE_CHECKING:
 
 class MLM(Objective):
     name = "mlm"
+    loss_terms = ("MLM",)
     reads_documents = True
+
+    @property
+    def model_inputs(self) -> dict[str, str]:
+        """pretrain.document_mask: each token's document within its packed row (B, T), attention kept inside it."""
+        return {"document_ids": DOC_INDEX_COLUMN} if self.cfg.document_mask else {}
 
     def build_model(self, model: "DebertaConfig") -> tuple[Callable[[], "nn.Module"], Callable[["nn.Module"], None]]:
         from deberta.model import DebertaForMaskedLM, init_weights
 
-        sop, emd = self.cfg.sop, self.cfg.emd
-        return lambda: DebertaForMaskedLM(model, sop=sop, emd=emd), lambda m: init_weights(m, model)
+        options = {"emd": self.cfg.emd, **self.model_options()}
+        return lambda: DebertaForMaskedLM(model, **options), lambda m: init_weights(m, model)
 
     def initial_weights(self, model: "DebertaConfig", init: str, generator_init: str = ""
                         ) -> tuple[dict[str, "torch.Tensor"], dict[str, str]]:
@@ -41,10 +48,15 @@ class MLM(Objective):
         """HF's DebertaV2ForMaskedLM: the head on the backbone's last layer, no EMD."""
         return {"use_emd": False}
 
+    def released_loss(self, metrics: dict[str, float]) -> tuple[str, float]:
+        """The MLM term alone (a head composed on top is new to the checkpoint)."""
+        return "MLM loss", metrics.get("val_mlm_loss", metrics["val_loss"])
+
     def train_flops_per_token(self, model: "DebertaConfig", seq_len: int) -> float:
         from deberta import flops
 
-        return flops.train_flops_per_token(model, seq_len, target_fraction=self.cfg.mlm_probability, sop=self.cfg.sop)
+        return flops.train_flops_per_token(model, seq_len, target_fraction=self.cfg.mlm_probability,
+                                           **self.model_options())
 
     def activations(self, model: "DebertaConfig", shape: "Shape", checkpoint_every: int) -> "Activations":
         from deberta.activations import mlm_activations
@@ -56,12 +68,13 @@ class MLM(Objective):
                 f"largest layer {largest:,}")
 
     def write_models(self, out: Path, model: "DebertaConfig", state_dict: dict, vocab_dir: Path) -> str:
-        """model/ (ours) and hf/ (transformers, with the tokenizer; the SOP head stays ours)."""
+        """model/ (ours) and hf/ (transformers, with the tokenizer; a head composed on top stays ours)."""
         from deberta import checkpoint, hf
         from deberta.model import DebertaForMaskedLM, unshared_state_dict
 
         checkpoint.save(state_dict, model, out / "model")
-        if missing := checkpoint.load_into(DebertaForMaskedLM(model, sop=self.cfg.sop, emd=self.cfg.emd), out / "model"):
+        whole = DebertaForMaskedLM(model, emd=self.cfg.emd, **self.model_options())
+        if missing := checkpoint.load_into(whole, out / "model"):
             raise RuntimeError(f"consolidated checkpoint lacks {missing}")
         flat = model.replace(share_layers="none")  # HF has no shared layers: the same model, weights copied out
         mlm = DebertaForMaskedLM(flat)

@@ -1,11 +1,15 @@
 """What a pretraining objective supplies; everything else (data order, engine, checkpoints, recovery) is shared.
 
 An `Objective` is built from the stage's `PretrainConfig` (`stages.pretrain.objectives.objective_for`, the one
-place that reads `pretrain.objective`) and answers every question on which MLM and RTD differ: its model and
-per-module init, its span masker, the numbers it logs per step and per validation pass (sums as named dicts, added
-over batches and workers), what it writes into the artifact and the registry, its training FLOPs and its line of the
-dry-run plan. The implementations are `mlm.py` (DeBERTa §3.2), `rtd.py` (DeBERTaV3 §2-3) and `sop.py`, ALBERT's
-sentence-order prediction (ALBERT §3.1) as an option on top of either. A new objective is one more file like
+place that reads `pretrain.objective` and `pretrain.sop`) and answers every question on which MLM and RTD differ:
+its model and per-module init, its span masker, the columns its batch reads, the numbers it logs per step and per
+validation pass (sums as named dicts, added over batches and workers) and the words of its progress lines, what
+its loss is called, what it writes into the artifact and the registry, its training FLOPs and its line of the
+dry-run plan. The loop (`loop.py`) and the registry (`registry.py`) name none of these: they ask.
+
+The implementations are `mlm.py` (DeBERTa §3.2), `rtd.py` (DeBERTaV3 §2-3) and `sop.py`, ALBERT's sentence-order
+prediction (ALBERT §3.1), composed onto either as a class placed before it (`sop.with_sentence_order`), whose
+methods call the objective's own through `super()` and add SOP's part. A new objective is one more file like
 `mlm.py`, listed in `objectives.py`.
 
 Top-level imports stay torch-free (the driver module imports this at pipeline start-up); the model library is
@@ -57,13 +61,27 @@ class Objective:
     """The value of `pretrain.objective` it implements."""
     step_metrics: tuple[str, ...] = ()
     """Per-step numbers logged besides `loss` and averaged over micro-batches and workers (model outputs)."""
+    progress_metrics: tuple[str, ...] = ()
+    """Step metrics (after `finish_step_metrics`) the progress line shows after `loss`, in this order."""
     final_metrics: tuple[str, ...] = ("val_loss", "val_accuracy", "val_perplexity", "val_mlm_loss")
     """Validation numbers whose last value goes into metrics.json and the stage's result (those logged)."""
+    loss_terms: tuple[str, ...] = ()
+    """What `loss` and `val_loss` add up, term by term (`loss_label`)."""
     reads_documents = False
     """Whether its model takes `document_ids` (pretrain.document_mask: attention inside each packed document)."""
 
     def __init__(self, cfg: PretrainConfig):
         self.cfg = cfg
+
+    @property
+    def title(self) -> str:
+        """How the run's first line and the config errors name it."""
+        return self.name
+
+    @property
+    def loss_label(self) -> str:
+        """What `loss` is, for the loss curve's axis and the run's summary, e.g. "MLM + SOP loss"."""
+        return f"{' + '.join(self.loss_terms)} loss" if self.loss_terms else "loss"
 
     # ------------------------------------------------------------------------------------------------ checks
     def check(self, model: DebertaConfig) -> list[str]:
@@ -98,6 +116,11 @@ class Objective:
         checkpoint (logged once, before the first step of a continued run), or None where there is no such loss."""
         return None
 
+    def released_loss(self, metrics: dict[str, float]) -> tuple[str, float]:
+        """(what it is, its value): the number of a validation pass with `released_loss_inputs` that transformers
+        computes too."""
+        return self.loss_label, metrics["val_loss"]
+
     def masker(self, tokenizer_len: int, mask_id: int, special_ids, word_start) -> "SpanMasker":
         """Span masking of 15% of the words, n-grams up to `max_ngram`, 80/10/10 replacement (DeBERTa §3.2)."""
         from deberta.masking import SpanMasker
@@ -110,15 +133,40 @@ class Objective:
         """Extra model inputs of a validation batch (fixed across passes) besides ids, mask and labels."""
         return {}
 
+    def model_options(self) -> dict[str, Any]:
+        """Keyword arguments that what is composed onto this objective adds to its model's constructor and to its
+        FLOP count (`deberta.flops`): SOP's `sop=True`, the sentence-order head, which the model library places."""
+        return {}
+
+    # ------------------------------------------------------------------------------------------------- batch
+    @property
+    def model_inputs(self) -> dict[str, str]:
+        """The model's inputs read from token-shard columns besides `input_ids`: {model keyword: column}."""
+        return {}
+
     @property
     def shard_columns(self) -> tuple[str, ...]:
         """Columns of the token shards the loop reads."""
-        return ("input_ids",)
+        return ("input_ids", *self.model_inputs.values())
+
+    def batch(self, columns: Mapping[str, Any]) -> dict[str, "torch.Tensor"]:
+        """Token-shard columns (numpy, rows of one micro-batch) -> the step's batch: "input_ids" (B, T) int64
+        (uint32 on disk) and each of `model_inputs` as int64 ((B,) per row or (B, T) per token), by model keyword;
+        the loop masks "input_ids" and hands the rest to the model as they are."""
+        import numpy as np
+        import torch
+
+        wanted = {"input_ids": "input_ids", **self.model_inputs}
+        return {key: torch.from_numpy(np.asarray(columns[column]).astype(np.int64)) for key, column in wanted.items()}
 
     # ----------------------------------------------------------------------------------------------- metrics
     def finish_step_metrics(self, means: dict[str, float]) -> dict[str, float]:
         """Averaged step metrics as logged."""
         return means
+
+    def step_line(self, metrics: dict[str, float]) -> str:
+        """What the step's progress line shows after `loss`: each of `progress_metrics`."""
+        return "".join(f" {k} {metrics[k]:.4f}" for k in self.progress_metrics)
 
     def eval_sums(self, outputs: Mapping[str, "torch.Tensor"]) -> Sums:
         """One validation batch's totals: MLM loss x targets, targets, correct predictions."""
@@ -134,8 +182,9 @@ class Objective:
                 "val_perplexity": math.exp(min(mlm, 50.0)), "val_targets": sums["targets"]}
 
     def eval_line(self, metrics: dict[str, float]) -> str:
-        """What the validation progress line adds to loss, accuracy and perplexity."""
-        return ""
+        """What the validation progress line says after "validation": loss, accuracy and perplexity of the MLM."""
+        return (f" loss {metrics['val_loss']:.4f} accuracy {metrics['val_accuracy']:.3f} "
+                f"perplexity {metrics['val_perplexity']:.1f}")
 
     # ------------------------------------------------------------------------------------------------- plans
     def train_flops_per_token(self, model: "DebertaConfig", seq_len: int) -> float:

@@ -1,7 +1,7 @@
 """The objectives by name: the one place that reads `pretrain.objective`.
 
 A new objective is one file beside `mlm.py` and `rtd.py` (an `Objective` with its `name`, its checks and its model)
-and one entry in `OBJECTIVES`.
+and one entry in `OBJECTIVES`; ALBERT's SOP composes onto any of them (`sop.with_sentence_order`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from core.config import ConfigError, PretrainConfig
 from stages.pretrain.mlm import MLM
 from stages.pretrain.objective import Objective
 from stages.pretrain.rtd import RTD
-from stages.pretrain.sop import SentenceOrder
+from stages.pretrain.sop import with_sentence_order
 
 if TYPE_CHECKING:
     from deberta.config import DebertaConfig
@@ -25,8 +25,8 @@ def objective_for(cfg: PretrainConfig) -> Objective:
     """The objective `cfg` names, with ALBERT's SOP on top when `pretrain.sop` is set."""
     if cfg.objective not in OBJECTIVES:
         raise ConfigError(f"pretrain.objective={cfg.objective!r}: use {' or '.join(OBJECTIVES)}")
-    objective = OBJECTIVES[cfg.objective](cfg)
-    return SentenceOrder(objective) if cfg.sop else objective
+    objective = OBJECTIVES[cfg.objective]
+    return (with_sentence_order(objective) if cfg.sop else objective)(cfg)
 
 
 def check_config(cfg: PretrainConfig, model: DebertaConfig) -> None:
@@ -35,7 +35,7 @@ def check_config(cfg: PretrainConfig, model: DebertaConfig) -> None:
     objective = objective_for(cfg)
     problems = objective.check(model)
     if cfg.document_mask and not objective.reads_documents:
-        problems.append(f"pretrain.document_mask=true: the {cfg.objective}{' + sop' if cfg.sop else ''} objective "
+        problems.append(f"pretrain.document_mask=true: the {objective.title} objective "
                         f"does not read document boundaries; use objective=mlm without sop, or document_mask=false")
     if model.attn_impl == "fused":
         import importlib.util

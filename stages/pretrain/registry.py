@@ -1,6 +1,7 @@
 """What a finished pretraining run leaves in MLflow: metrics.json and the loss curve beside the stage's run, and the
 registry version `deberta-<preset>-pretrained` (an MLflow Model over hf/, `core/hf_pyfunc.py`) tagged with its
-lineage and objective.
+lineage and objective. What the loss is called, which validation numbers the run reports and how the model is
+exported are the objective's (`Objective.loss_label`, `final_metrics`, `export`).
 """
 
 from __future__ import annotations
@@ -16,16 +17,18 @@ from stages.base import StageContext, StageResult
 from stages.pretrain.objective import Objective
 
 RELEASED_LOSS = "val_loss_released"
-"""Continued runs: the validation MLM loss before the first step, computed as `transformers` computes it for the
-released checkpoint (`Objective.released_loss_inputs`: no EMD); equal to HF's own loss on the same batches."""
+"""Continued runs: the validation loss before the first step, computed as `transformers` computes it for the
+released checkpoint (`Objective.released_loss_inputs`, `released_loss`); equal to HF's own loss on the same
+batches."""
 
 
 def metric_history(ctx: StageContext, key: str) -> list[tuple[int, float]]:
     return [(m.step, m.value) for m in ctx.tracker.client.get_metric_history(ctx.tracker.run_id, key)]
 
 
-def plot_losses(ctx: StageContext, path: Path) -> None:
-    """Train and validation loss per step, from the stage's MLflow run (the last value logged per step wins)."""
+def plot_losses(ctx: StageContext, path: Path, label: str) -> None:
+    """Train and validation loss per step, from the stage's MLflow run (the last value logged per step wins);
+    `label`: what the loss is (`Objective.loss_label`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -38,7 +41,7 @@ def plot_losses(ctx: StageContext, path: Path) -> None:
             steps = sorted(points)
             ax.plot(steps, [points[s] for s in steps], style, label=key)
     ax.set_xlabel("step")
-    ax.set_ylabel("MLM loss")
+    ax.set_ylabel(label)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -64,7 +67,7 @@ def finish(cfg: PretrainConfig, objective: Objective, out: Path, ctx: StageConte
               "worker_nodes": final.get("worker_nodes", []), "hf_export": hf_note,
               **({"init": lineage} if lineage else {})}
     (out / "metrics.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-    plot_losses(ctx, out / "loss_curve.png")
+    plot_losses(ctx, out / "loss_curve.png", objective.loss_label)
     ctx.tracker.log_artifact(out / "loss_curve.png")
     version = register(cfg, objective, out, ctx, lineage or {})
     name = f"deberta-{ctx.preset}-pretrained"
@@ -78,7 +81,7 @@ def finish(cfg: PretrainConfig, objective: Objective, out: Path, ctx: StageConte
         counts={"steps": cfg.max_steps, "tokens": cfg.max_steps * cfg.train_batch_size * seq_len},
         log_files=("metrics.json",),
         summary={f"registered {name}": f"version {version}",
-                 "pretrain": f"val loss {metrics.get('initial_val_loss', float('nan')):.3f} -> "
+                 "pretrain": f"val {objective.loss_label} {metrics.get('initial_val_loss', float('nan')):.3f} -> "
                              f"{metrics.get('val_loss', float('nan')):.3f}, "
                              f"{metrics.get('tokens_per_s', 0):,.0f} tokens/s", **lost},
     )
@@ -89,7 +92,7 @@ def register(cfg: PretrainConfig, objective: Objective, out: Path, ctx: StageCon
     """Our checkpoint as a run artifact; the registry version `deberta-<preset>-pretrained`, tagged with its
     lineage and objective: an MLflow Model over hf/ (`core/hf_pyfunc.py`) of the objective's task."""
     export = objective.export()
-    ctx.tracker.log_artifacts(out / "model", "model")  # ours, EMD table (MLM) / RTD head included
+    ctx.tracker.log_artifacts(out / "model", "model")  # ours, with what the objective keeps beyond HF's classes
     for directory in export.extra_dirs:
         ctx.tracker.log_artifacts(out / directory, directory)
     name = f"deberta-{ctx.preset}-pretrained"

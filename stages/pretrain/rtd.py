@@ -40,9 +40,15 @@ RTD_FILE = "rtd.json"
 class RTD(Objective):
     name = "rtd"
     step_metrics = ("mlm_loss", "rtd_loss", "rtd_accuracy", "replaced_fraction", "generator_accuracy")
+    progress_metrics = ("mlm_loss", "rtd_loss", "rtd_accuracy")
     flops_note = ", generator included"
     final_metrics = (*Objective.final_metrics, "val_rtd_loss", "val_rtd_accuracy", "val_all_original_accuracy",
                      "val_replaced_fraction")
+
+    @property
+    def loss_terms(self) -> tuple[str, ...]:
+        """L = L_MLM (the generator's) + lambda L_RTD (DeBERTaV3 §2.3)."""
+        return "generator MLM", f"{self.cfg.rtd_weight:g} x RTD"
 
     def check(self, model: DebertaConfig) -> list[str]:
         """lambda, the embedding sharing, the generator's depth; `generator_init` only beside `init`."""
@@ -88,7 +94,7 @@ class RTD(Objective):
 
         c = self.cfg
         return (lambda: RTDPretrainer(model, generator_layers=c.generator_layers, embedding_sharing=c.embedding_sharing,
-                                      rtd_weight=c.rtd_weight, sop=c.sop, emd=c.emd),
+                                      rtd_weight=c.rtd_weight, emd=c.emd, **self.model_options()),
                 lambda m: rtd_init_weights(m, model))
 
     def initial_weights(self, model: "DebertaConfig", init: str, generator_init: str = ""
@@ -133,7 +139,7 @@ class RTD(Objective):
         return metrics
 
     def eval_line(self, metrics: dict[str, float]) -> str:
-        return (f" RTD accuracy {metrics['val_rtd_accuracy']:.3f} (all-original "
+        return (super().eval_line(metrics) + f" RTD accuracy {metrics['val_rtd_accuracy']:.3f} (all-original "
                 f"{metrics['val_all_original_accuracy']:.3f})")
 
     def activations(self, model: "DebertaConfig", shape: "Shape", checkpoint_every: int) -> "Activations":
@@ -151,7 +157,7 @@ class RTD(Objective):
         from deberta import flops
 
         return flops.rtd_train_flops_per_token(model, seq_len, self.generator_config(model),
-                                               target_fraction=self.cfg.mlm_probability, sop=self.cfg.sop)
+                                               target_fraction=self.cfg.mlm_probability, **self.model_options())
 
     def parameter_counts(self, model: "DebertaConfig") -> dict[str, int]:
         from deberta.model import num_parameters

@@ -1,90 +1,81 @@
-"""ALBERT's sentence-order prediction (ALBERT §3.1, `pretrain.sop=true`) as an option on top of any objective.
+"""ALBERT's sentence-order prediction (ALBERT §3.1, `pretrain.sop=true`), composed onto any objective.
 
-The model side is the objective's own model built with `sop=True` (`deberta.model.SentenceOrderHead` on the final
-[CLS] state; the loss added to the objective's). What this wrapper adds: the `sop_label` column of segment-pair
-token shards, SOP's step and validation numbers (kept as counts, so a micro-batch without a sentence pair weighs
-nothing in the accuracy), SOP's term in the validation loss, and the registry tag. Everything else is the wrapped
-objective's.
+`with_sentence_order(MLM)` is the class `SentenceOrder` placed before `MLM`: each method below calls the
+objective's own through `super()` and adds SOP's part, and every other question goes to the objective unchanged.
+SOP's parts, all here: its head (the model option `sop=True`: `deberta.model.SentenceOrderHead` on the final [CLS]
+state, its loss added to the objective's), the `sop_label` column of segment-pair token shards fed to the model as
+`sop_labels`, its step and validation numbers (kept as counts, so a micro-batch without a sentence pair weighs
+nothing in the accuracy) and their words in the progress lines, its term in the loss, and the registry tag.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+import functools
+from typing import TYPE_CHECKING, Any, Mapping
 
+from core.config import PretrainConfig
 from stages.pretrain.objective import Export, Objective, Sums
 from stages.segment_pairs import SOP_COLUMN
 
 if TYPE_CHECKING:
     import torch
-    from torch import nn
 
-    from core.init_checkpoint import ExternalCheckpoint
     from deberta.config import DebertaConfig
-    from deberta.masking import SpanMasker
 
 SOP_STEP_METRICS = ("mlm_loss", "sop_loss", "sop_correct", "sop_count")
 """SOP's step numbers: the main loss apart, SOP's loss, and its pair counts (`finish_step_metrics` divides them)."""
 
 
 class SentenceOrder(Objective):
-    """`inner` with ALBERT's SOP loss added."""
+    """ALBERT's SOP loss added to the objective after this class in the MRO (`with_sentence_order`)."""
 
-    def __init__(self, inner: Objective):
-        super().__init__(inner.cfg)
-        self.inner = inner
-        self.name = inner.name
-        self.step_metrics = tuple(dict.fromkeys((*inner.step_metrics, *SOP_STEP_METRICS)))
-        self.flops_note = inner.flops_note
-        self.final_metrics = inner.final_metrics
+    reads_documents = False  # a sentence pair's row holds one document
+    composed_with: type[Objective]
+    """The objective SOP is added to (set by `with_sentence_order`)."""
 
-    def check(self, model: DebertaConfig) -> list[str]:
-        return self.inner.check(model)
+    @property
+    def title(self) -> str:
+        return f"{super().title} + sop"
 
-    def build_model(self, model: "DebertaConfig") -> tuple[Callable[[], "nn.Module"], Callable[["nn.Module"], None]]:
-        return self.inner.build_model(model)
+    @property
+    def loss_terms(self) -> tuple[str, ...]:
+        return *super().loss_terms, "SOP"
 
-    def continued_config(self, released: DebertaConfig, init: str, generator: ExternalCheckpoint | None
-                         ) -> dict[str, Any]:
-        return self.inner.continued_config(released, init, generator)
+    @property
+    def step_metrics(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((*super().step_metrics, *SOP_STEP_METRICS)))
+
+    @property
+    def progress_metrics(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((*super().progress_metrics, "mlm_loss", "sop_accuracy")))
+
+    @property
+    def model_inputs(self) -> dict[str, str]:
+        return {**super().model_inputs, "sop_labels": SOP_COLUMN}
+
+    def model_options(self) -> dict[str, Any]:
+        return {**super().model_options(), "sop": True}
 
     def initial_weights(self, model: "DebertaConfig", init: str, generator_init: str = ""
                         ) -> tuple[dict[str, "torch.Tensor"], dict[str, str]]:
-        weights, notes = self.inner.initial_weights(model, init, generator_init)
+        weights, notes = super().initial_weights(model, init, generator_init)
         return weights, {**notes, "sop_head": "new (released checkpoints have none)"}
-
-    def released_loss_inputs(self) -> dict[str, Any] | None:
-        return self.inner.released_loss_inputs()
-
-    def masker(self, tokenizer_len: int, mask_id: int, special_ids, word_start) -> "SpanMasker":
-        return self.inner.masker(tokenizer_len, mask_id, special_ids, word_start)
-
-    def eval_inputs(self, mask_step: int) -> dict[str, Any]:
-        return self.inner.eval_inputs(mask_step)
-
-    def activations(self, model: "DebertaConfig", shape, checkpoint_every: int):
-        """The inner objective's: the SOP head works on one [CLS] state per sequence."""
-        return self.inner.activations(model, shape, checkpoint_every)
-
-    @property
-    def shard_columns(self) -> tuple[str, ...]:
-        return (*self.inner.shard_columns, SOP_COLUMN)
 
     def finish_step_metrics(self, means: dict[str, float]) -> dict[str, float]:
         """SOP's mean counts become `sop_accuracy` (correct over the pairs seen)."""
-        means = self.inner.finish_step_metrics(dict(means))
+        means = super().finish_step_metrics(dict(means))
         correct, count = means.pop("sop_correct"), means.pop("sop_count")
         means["sop_accuracy"] = correct / count if count else float("nan")
         return means
 
     def eval_sums(self, outputs: Mapping[str, "torch.Tensor"]) -> Sums:
         count = float(outputs["sop_count"])
-        return {**self.inner.eval_sums(outputs), "sop_loss_sum": float(outputs["sop_loss"]) * count, "sop_pairs": count,
+        return {**super().eval_sums(outputs), "sop_loss_sum": float(outputs["sop_loss"]) * count, "sop_pairs": count,
                 "sop_correct": float(outputs["sop_correct"])}
 
     def eval_metrics(self, sums: Sums) -> dict[str, float]:
-        metrics = self.inner.eval_metrics(sums)
+        metrics = super().eval_metrics(sums)
         pairs = max(sums["sop_pairs"], 1.0)
         metrics.update(val_mlm_loss=sums["mlm_loss_sum"] / max(sums["targets"], 1.0),
                        val_sop_loss=sums["sop_loss_sum"] / pairs, val_sop_accuracy=sums["sop_correct"] / pairs,
@@ -93,20 +84,23 @@ class SentenceOrder(Objective):
         return metrics
 
     def eval_line(self, metrics: dict[str, float]) -> str:
-        return self.inner.eval_line(metrics) + f" SOP accuracy {metrics['val_sop_accuracy']:.3f}"
-
-    def train_flops_per_token(self, model: "DebertaConfig", seq_len: int) -> float:
-        return self.inner.train_flops_per_token(model, seq_len)
-
-    def parameter_counts(self, model: "DebertaConfig") -> dict[str, int]:
-        return self.inner.parameter_counts(model)
-
-    def plan_line(self, model: "DebertaConfig", counts: dict[str, int], largest: int) -> str:
-        return self.inner.plan_line(model, counts, largest)
-
-    def write_models(self, out: Path, model: "DebertaConfig", state_dict: dict, vocab_dir: Path) -> str:
-        return self.inner.write_models(out, model, state_dict, vocab_dir)
+        return super().eval_line(metrics) + f" SOP accuracy {metrics['val_sop_accuracy']:.3f}"
 
     def export(self) -> Export:
-        inner = self.inner.export()
-        return dataclasses.replace(inner, tags={**inner.tags, "sop": True})
+        export = super().export()
+        return dataclasses.replace(export, tags={**export.tags, "sop": True})
+
+    def __reduce__(self):
+        """Pickled (Ray ships the objective to its workers) as its parts: the composed class is made at run time."""
+        return _composed, (self.composed_with, self.cfg)
+
+
+@functools.cache
+def with_sentence_order(objective: type[Objective]) -> type[Objective]:
+    """`objective` with ALBERT's SOP on top: `SentenceOrder` placed before it, one class per objective."""
+    return type(f"{objective.__name__}WithSOP", (SentenceOrder, objective),
+                {"__module__": __name__, "composed_with": objective})
+
+
+def _composed(objective: type[Objective], cfg: PretrainConfig) -> Objective:
+    return with_sentence_order(objective)(cfg)

@@ -481,13 +481,13 @@ def test_tiny_albert_learns_sentence_order(flush_denormals):
 
 def test_pipeline_path_memorises_the_order_of_a_few_pairs(flush_denormals):
     """The pretraining loop's own path (the objective's model and masker, training.engine's AdamW with clipping
-    and decay, loop.to_batch and loop.train_step) on 16 rows whose labels are random: only a gradient that reaches
+    and decay, the objective's batch and loop.train_step) on 16 rows whose labels are random: only a gradient that reaches
     the SOP head through [CLS] can fit them, and it does - 100% SOP accuracy under fresh masks (E = 128 > H = 64,
     every layer shared: the e2e test's model)."""
     from training.engine import build
     from core.config import PretrainConfig
     from stages.pretrain import objective_for
-    from stages.pretrain.loop import forward, optim_spec, to_batch, train_step
+    from stages.pretrain.loop import forward, optim_spec, train_step
 
     cfg = PretrainConfig(num_workers=1, micro_batch_size=16, train_batch_size=16, lr=2e-3, warmup_steps=5,
                          max_steps=80, sop=True)
@@ -495,9 +495,9 @@ def test_pipeline_path_memorises_the_order_of_a_few_pairs(flush_denormals):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(10, 199, (16, 32), generator=g)
     ids[:, 0], ids[:, 15], ids[:, -1] = CLS, SEP, SEP  # [CLS] A [SEP] B [SEP]
-    batch = to_batch({"input_ids": ids.numpy().astype("uint32"),
-                      "sop_label": torch.randint(0, 2, (16,), generator=g).numpy().astype("int8")})
     objective = objective_for(cfg)
+    batch = objective.batch({"input_ids": ids.numpy().astype("uint32"),
+                             "sop_label": torch.randint(0, 2, (16,), generator=g).numpy().astype("int8")})
     factory, _ = objective.build_model(model)
     engine = build(factory, optim_spec(cfg), seed=0)
     masker = objective.masker(200, 199, (0, CLS, SEP, 3), None)

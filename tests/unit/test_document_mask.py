@@ -56,8 +56,9 @@ def test_tokenize_records_each_tokens_document_and_pretraining_reads_it(tmp_path
     import pyarrow as pa
     import pytest
 
+    from core.config import PretrainConfig
+    from stages.pretrain import objective_for
     from stages.pretrain.data import Sequences
-    from stages.pretrain.loop import to_batch
     from stages.tokenize import DOC_INDEX_COLUMN, pack, row_documents, to_table
 
     docs = [[10, 11, 12], [20, 21], [], [30, 31, 32, 33, 34]]  # rows of 8: 6 content tokens each
@@ -70,7 +71,9 @@ def test_tokenize_records_each_tokens_document_and_pretraining_reads_it(tmp_path
     assert row_documents(long_docs, 8).tolist() == [[0] * 8, [0, 0, 0, 0, 0, 1, 1, 1]]  # [CLS] 5 5 5 [SEP] 6 [SEP] pad
     with pa.ipc.new_file(str(tmp_path / "part.arrow"), (t := to_table(rows, lengths, ["a", "d"], doc_index=index)).schema) as w:
         w.write_table(t)
-    batch = to_batch(Sequences([tmp_path / "part.arrow"], ["input_ids", DOC_INDEX_COLUMN]).take(np.array([1, 0])))
+    objective = objective_for(PretrainConfig(document_mask=True))
+    assert objective.shard_columns == ("input_ids", DOC_INDEX_COLUMN)
+    batch = objective.batch(Sequences([tmp_path / "part.arrow"], objective.shard_columns).take(np.array([1, 0])))
     assert batch["document_ids"].tolist() == index[[1, 0]].tolist()
     with pa.ipc.new_file(str(tmp_path / "old.arrow"), (t := to_table(rows, lengths, ["a", "d"])).schema) as w:
         w.write_table(t)  # a shard from before the column: readable, and refused only when the column is asked for

@@ -159,13 +159,13 @@ def _check_aligned(batch) -> int:
 
 
 def test_labels_stay_with_their_rows_through_the_pretraining_reader(tmp_path):
-    """The pretraining loop's reading (stages.pretrain.data rows by index -> to_batch, and the validation sample)
+    """The pretraining loop's reading (stages.pretrain.data rows by index -> the objective's batch, and the validation sample)
     hands every row its own sop_label."""
     from deberta.config import debug
     from core.config import PretrainConfig
     import stages.pretrain.data as data
     from stages.pretrain import objective_for
-    from stages.pretrain.loop import LoopJob, to_batch, validation_batches
+    from stages.pretrain.loop import LoopJob, validation_batches
     from training.deepspeed_config import build_deepspeed_config
 
     files, total = _coded_shards(tmp_path)
@@ -174,7 +174,7 @@ def test_labels_stay_with_their_rows_through_the_pretraining_reader(tmp_path):
     split, seen = data.Sequences(files, objective.shard_columns), 0
     for rank in range(2):
         for columns in data.rank_batches(split, cfg.seed, 1, rank, 2, 8):
-            seen += _check_aligned(to_batch(columns))
+            seen += _check_aligned(objective.batch(columns))
     assert seen == 2 * 8 * data.batches_per_epoch(total, 2, 8) > total * 0.95  # shuffled, nearly every row
     job = LoopJob(cfg=cfg, objective=objective, model=debug(), ds_config=build_deepspeed_config(cfg, 2, False), seq_len=16, train_files=tuple(files), val_files=tuple(files),
                   tokenizer_len=1000, mask_id=999, special_ids=(0, 1, 2, 3), word_start=b"", train_flops_per_token=0.0,
