@@ -597,6 +597,7 @@ def test_rtd_two_nodes_resumes_after_worker_loss(ray_cluster_2_nodes, tokens, mo
     name = "deberta-debug-pretrained"
     mv = tracker.client.get_model_version(name, result.summary[f"registered {name}"].split()[-1])
     assert (mv.tags["objective"], mv.tags["embedding_sharing"], mv.tags["pretrain"]) == ("rtd", "gdes", "rtd")
+    assert result.summary["pretrain"].startswith("val generator MLM + 50 x RTD loss "), result.summary  # not "MLM"
     assert mv.source.startswith("models:/")  # the discriminator as an MLflow Model (feature extraction)
 
 
@@ -649,6 +650,7 @@ def test_albert_options_train_and_fine_tune(ray_cluster_2_nodes, tokens, model_c
     assert n >= 1 and all(acc * n == pytest.approx(round(acc * n), abs=1e-6) for _, acc in sop), (sop, n)
     assert dict(history(tracker, "val_sop_loss"))[0] == pytest.approx(math.log(2), abs=0.05)
     assert len(history(tracker, "sop_loss")) == cfg.max_steps
+    assert outcomes[1][1].summary["pretrain"].startswith("val MLM + SOP loss "), outcomes[1][1].summary
     out = workdir / "artifacts" / "pretrain" / "albert"
     hf_config = json.loads((out / "hf" / "config.json").read_text())
     assert hf_config["embedding_size"] == 128 and hf_config["num_hidden_layers"] == albert.num_hidden_layers
