@@ -213,6 +213,11 @@ class Objective:
     """What the dry run's compute line adds (e.g. the generator's share)."""
 
     # ------------------------------------------------------------------------------------------------ export
+    def backbone_weights(self, state_dict: dict) -> dict:
+        """The tensors of the consolidated state dict a task head starts from, under `deberta.*` (what `model/`
+        holds): the model's own here."""
+        return state_dict
+
     def write_models(self, out: Path, model: "DebertaConfig", state_dict: dict, vocab_dir: Path) -> str:
         """The artifact's model directories from the consolidated state dict; returns a note on the exports."""
         raise NotImplementedError

@@ -16,7 +16,7 @@ put in the object store for the trials. A finished (step, task) is recorded in `
 directory (written to a temporary name, then renamed): a restarted stage logs it again into the plot but never
 re-probes it. A probe still running when the driver dies is run again if its checkpoint is still kept.
 
-`plot` draws each probe's metric against the step, the validation MLM loss on a second axis (probes.png).
+`plot` draws each probe's metric against the step, the validation loss on a second axis (probes.png).
 """
 
 from __future__ import annotations
@@ -69,14 +69,10 @@ def probe_steps(p: PretrainConfig) -> list[int]:
 
 
 def backbone(objective: "Objective", state_dict: dict) -> dict:
-    """The `deberta.*` tensors a task head starts from (RTD: the discriminator's, its embeddings merged)."""
+    """The `deberta.*` tensors a task head starts from (`Objective.backbone_weights`: what model/ holds)."""
     from deberta import checkpoint
 
-    if objective.name == "rtd":
-        from deberta.rtd import discriminator_weights
-
-        state_dict = discriminator_weights(state_dict, objective.cfg.embedding_sharing)
-        state_dict = {f"{checkpoint.BACKBONE_PREFIX}{k}": v for k, v in state_dict.items()}
+    state_dict = objective.backbone_weights(state_dict)
     return {k: v.detach().float().contiguous() for k, v in state_dict.items()
             if k.startswith(checkpoint.BACKBONE_PREFIX)}
 
@@ -298,9 +294,10 @@ def start_watching(probes: Probes) -> tuple[threading.Thread, threading.Event]:
 
 # ----------------------------------------------------------------------------------------------- the picture
 
-def plot(ledger: dict[int, dict[str, Any]], val_loss: list[tuple[int, float]], path: Path, title: str = "") -> None:
-    """Each probe's dev metric (seed mean, spread as error bars) against the pretraining step; the validation MLM
-    loss on a second axis."""
+def plot(ledger: dict[int, dict[str, Any]], val_loss: list[tuple[int, float]], path: Path, title: str = "",
+         loss_label: str = "loss") -> None:
+    """Each probe's dev metric (seed mean, spread as error bars) against the pretraining step; the validation loss
+    (`Objective.loss_label`) on a second axis."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -319,8 +316,8 @@ def plot(ledger: dict[int, dict[str, Any]], val_loss: list[tuple[int, float]], p
         loss = ax.twinx()
         points = dict(val_loss)
         steps = sorted(points)
-        loss.plot(steps, [points[s] for s in steps], "--", color="grey", label="validation MLM loss")
-        loss.set_ylabel("validation MLM loss")
+        loss.plot(steps, [points[s] for s in steps], "--", color="grey", label=f"validation {loss_label}")
+        loss.set_ylabel(f"validation {loss_label}")
         loss.legend(loc="upper center")
     ax.legend(loc="center right")
     if title:
@@ -346,7 +343,8 @@ def with_probes(result, probes: Probes, out: Path, ctx) -> Any:
     from stages.pretrain.registry import metric_history
 
     val_loss = metric_history(ctx, "val_loss")
-    plot(probes.ledger, val_loss, out / "probes.png", f"probes: {ctx.preset}, {ctx.artifact_id}")
+    plot(probes.ledger, val_loss, out / "probes.png", f"probes: {ctx.preset}, {ctx.artifact_id}",
+         probes.objective.loss_label)
     ctx.tracker.log_artifact(out / "probes.png")
     (out / LEDGER).write_text(json.dumps({"steps": {str(k): probes.ledger[k] for k in sorted(probes.ledger)},
                                           "val_loss": {str(s): v for s, v in sorted(dict(val_loss).items())}},

@@ -169,6 +169,14 @@ class RTD(Objective):
                 f"{self.generator_config(model).num_hidden_layers} layers + discriminator; backbone "
                 f"{counts['backbone']:,}; embeddings {self.cfg.embedding_sharing}); largest layer {largest:,}")
 
+    def backbone_weights(self, state_dict: dict) -> dict:
+        """The discriminator's, its embeddings merged (what fine-tuning reads from model/)."""
+        from deberta import checkpoint
+        from deberta.rtd import discriminator_weights
+
+        weights = discriminator_weights(state_dict, self.cfg.embedding_sharing)
+        return {f"{checkpoint.BACKBONE_PREFIX}{k}": v for k, v in weights.items()}
+
     def write_models(self, out: Path, model: "DebertaConfig", state_dict: dict, vocab_dir: Path) -> str:
         """rtd/ (both models, ours), model/ (the discriminator, ours), hf/ and generator/ (transformers)."""
         from deberta import checkpoint, hf

@@ -12,7 +12,7 @@ from core.config import PretrainConfig
 from stages.pretrain.objectives import OBJECTIVES, objective_for
 
 ROOT = Path(__file__).resolve().parents[2]
-SHARED = ("stages/pretrain/loop.py", "stages/pretrain/registry.py")
+SHARED = ("stages/pretrain/loop.py", "stages/pretrain/registry.py", "stages/pretrain/probes.py")
 """The files every objective goes through."""
 GENERIC = {"loss", "val_loss", "input_ids"}
 """What every objective has: the loop's own words."""
@@ -111,3 +111,18 @@ def test_a_new_objectives_numbers_reach_the_progress_line_and_mlflow(capsys):
     assert "targets_per_row" in logged and "num_targets" not in logged
     assert f" targets_per_row {logged['targets_per_row']:.4f} lr " in line, line
     assert logged["targets_per_row"] == pytest.approx(means["num_targets"] / 4) and logged["targets_per_row"] > 0
+
+
+def test_every_objectives_probe_backbone_is_what_a_task_head_loads():
+    """Probes fine-tune from `Objective.backbone_weights` without naming an objective: for each (with SOP too) the
+    weights cover exactly a task head's `deberta.*` parameters (RTD: the discriminator's, not the generator's)."""
+    from deberta.config import debug
+    from deberta.heads import DebertaForSequenceClassification
+    from stages.pretrain.probes import initial_backbone
+
+    model = debug(vocab_size=300)
+    head = DebertaForSequenceClassification(model, 2, 0.0).state_dict()
+    wanted = {k: v.shape for k, v in head.items() if k.startswith("deberta.")}
+    for objective in _variants():
+        weights = initial_backbone(objective, model, seed=0)
+        assert {k: v.shape for k, v in weights.items()} == wanted, objective.title
