@@ -19,7 +19,8 @@ and beside it the rise at the end of the forward pass (what is kept for the back
 the BLAS library allocates outside torch (its GEMM packing buffers: at deberta-base's 128,100 x 768 tied decoder,
 hundreds of MiB), which no GPU plan counts; so one more step runs under torch's profiler (`profile_memory`), and
 the running sum of its allocation events gives the peak of torch's tensors alone (`tensor_peak_mib`), the figure
-the plan is checked against; the RSS peak stays beside it. The plan is
+the plan is checked against; the RSS peak stays beside it. Every step holds its outputs (the logits included)
+through its backward pass, as the stage's loop does. The plan is
 `deberta.activations.mlm_activations` at the same shape, fp32 on CPU (on CUDA the model in bf16, as DeepSpeed's bf16
 mode runs it). Step times are the
 time of a forward and backward pass, checkpointed and not, alternately on one model and batch in one process
@@ -117,7 +118,9 @@ def measure(preset: str, seq_len: int, micro: int, every: int, steps: int, devic
 
         torch.manual_seed(1000)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            forward(runner, masker, batches[0], mask_step=0)["loss"].backward()
+            out = forward(runner, masker, batches[0], mask_step=0)  # held through the backward, as the stage does
+            out["loss"].backward()
+            del out
         events = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
         running = tensor_peak = 0
         for e in events:

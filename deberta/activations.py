@@ -23,12 +23,17 @@ With s = sequence length, b = micro-batch, h = hidden, f = FFN width, a = heads,
 A checkpointed layer keeps only its input (s·b·h·e) and is recomputed, whole, during its backward. The EMD runs the
 last layer twice on the Mq = ⌈f_mask·s⌉ target queries against the L-1 layer's keys (keys, values and p2c once;
 per pass the query-side tensors, Mq x s scores and an Mq x R c2p); the MLM head keeps (M, h) and (M, E) inputs
-and the fp32 log-softmax of its (M, V) logits, which the step also returns, M = f_mask·s·b targets. The peak
-(`Activations.total`) is the larger of: everything kept plus the head's backward (two (M, V) fp32 gradients), and,
-deeper in the backward pass when the heads are freed, the encoder's kept part plus one recomputed layer plus that
-layer's backward working set (the gradients of its scores and of the two gathered products: `working_bytes`); and
-throughout, the tied word embedding's V x E gradient from the LM decoder, which autograd holds until the
-embedding's own share arrives (constant in the micro-batch).
+and the fp32 log-softmax of its (M, V) logits; the (M, V) logits themselves the step returns and holds through
+its backward pass, M = f_mask·s·b targets. The peak (`Activations.total`) is the largest of three moments:
+  the head's backward      everything kept + two (M, V) fp32 gradients (of the log-softmax and of the logits)
+  the LM decoder's         everything kept + the logits' gradient + the tied word embedding's V x E gradient,
+                           which autograd then holds until the embedding's own share arrives (constant in the
+                           micro-batch)
+  a layer's, deeper down   the encoder's kept part + the held logits + the tied gradient + one layer's backward
+                           working set: its score and gathered-product gradients (`working_bytes`); for a
+                           checkpointed layer, the layer recomputed whole plus the larger of its first gradient
+                           (the FFN's, s·b·f) and those score gradients less what the FFN's and the output
+                           projection's backward freed before them (`recomputed_working_bytes`).
 matmul's broadcast of the (a, R, d) position tables over the batch adds a (b, R, h) copy per c2p and p2c.
 """
 
@@ -91,6 +96,16 @@ def working_bytes(cfg: DebertaConfig, shape: Shape) -> int:
     return 2 * a * s * s * b * e + 2 * a * s * r * b * e
 
 
+def recomputed_working_bytes(cfg: DebertaConfig, shape: Shape) -> int:
+    """A recomputed (checkpointed) layer's backward beyond the layer itself: it runs op by op from the top, so the
+    FFN's gradient (s·b·f) comes first, and the score gradients only after the FFN's, the LayerNorms' and the
+    output projection's saved tensors are freed (GELU's input and output, four (s, b, h) inputs, two masks)."""
+    s, b, e, m, h, f = shape.seq_len, shape.micro, shape.value_bytes, shape.mask_bytes, cfg.hidden_size, \
+        cfg.intermediate_size
+    freed = 2 * s * b * f * e + 4 * s * b * h * e + 2 * s * b * h * m
+    return max(s * b * f * e, working_bytes(cfg, shape) - freed)
+
+
 def embedding_bytes(cfg: DebertaConfig, shape: Shape) -> int:
     """The embedding LayerNorm's input and dropout mask (+ the E -> H projection's input when factorised); the conv
     beside layer 1: its dropout mask, GELU's and LayerNorm's inputs."""
@@ -113,11 +128,13 @@ class Activations:
     head_working: int
     """The start of the backward pass: the gradients of the fp32 log-softmax and of the logits."""
     layer_working: int
-    """One layer's backward (`working_bytes`)."""
+    """One layer's backward beyond what it keeps (`working_bytes`; checkpointed: `recomputed_working_bytes`)."""
     tied_gradient: int = 0
     """The word embedding's gradient from the tied LM decoder (V x E), computed at the head's backward and held by
     autograd until the embedding's own share arrives at the end of the backward pass: one micro-batch or many, the
     same bytes."""
+    held: int = 0
+    """What the step returns and holds through its backward pass (the LM head's (M, V) logits; part of decoder)."""
 
     @property
     def kept(self) -> int:
@@ -126,10 +143,11 @@ class Activations:
 
     @property
     def total(self) -> int:
-        """The peak: the start of the backward pass, or a layer's backward deeper down, when the heads' and the
-        decoder's activations are freed and a checkpointed layer is recomputed."""
-        deep = self.encoder + self.embeddings + self.recompute + self.layer_working
-        return max(self.kept + self.head_working, deep) + self.tied_gradient
+        """The peak: the head's backward, the LM decoder's (the tied gradient made while the logits' gradient is
+        alive), or a layer's backward deeper down, when the heads' and the decoder's activations but the held
+        logits are freed and a checkpointed layer is recomputed."""
+        deep = self.encoder + self.embeddings + self.held + self.recompute + self.layer_working + self.tied_gradient
+        return max(self.kept + self.head_working, self.kept + self.head_working // 2 + self.tied_gradient, deep)
 
 
 def _checkpointed(layers: int, every: int) -> int:
@@ -153,8 +171,9 @@ def mlm_activations(cfg: DebertaConfig, shape: Shape, checkpoint_every: int = 0,
     m_all = targets * b
     # head inputs, the fp32 log-softmax cross-entropy keeps, the logits the step returns
     decoder += m_all * (h + 3 * dim) * e + m_all * v * (4 + e)
+    working = recomputed_working_bytes(cfg, shape) if checkpointed else working_bytes(cfg, shape)
     return Activations(encoder, decoder, embedding_bytes(cfg, shape), layer if checkpointed else 0,
-                       2 * m_all * v * 4, working_bytes(cfg, shape), v * dim * e)
+                       2 * m_all * v * 4, working, v * dim * e, held=m_all * v * e)
 
 
 def rtd_activations(cfg: DebertaConfig, generator: DebertaConfig, shape: Shape, checkpoint_every: int = 0,
@@ -167,6 +186,7 @@ def rtd_activations(cfg: DebertaConfig, generator: DebertaConfig, shape: Shape, 
     layer = layer_bytes(cfg, shape)
     encoder = (cfg.num_hidden_layers - checkpointed) * layer + checkpointed * s * b * h * e
     head = 3 * s * b * h * e  # LayerNorm input, dense input, GELU input
+    working = recomputed_working_bytes(cfg, shape) if checkpointed else working_bytes(cfg, shape)
     return Activations(gen.encoder + encoder, gen.decoder + head, gen.embeddings + embedding_bytes(cfg, shape),
-                       layer if checkpointed else gen.recompute, gen.head_working, working_bytes(cfg, shape),
-                       gen.tied_gradient)
+                       layer if checkpointed else gen.recompute, gen.head_working, max(working, gen.layer_working),
+                       gen.tied_gradient, held=gen.held)

@@ -56,6 +56,7 @@ def test_the_mlm_step_keeps_what_the_count_says():
     kept += out["logits"].untyped_storage().nbytes()
     plan = mlm_activations(MODEL_CPU_SMALL, CPU, 0, target_fraction=10 / 64)
     assert kept == pytest.approx(plan.kept, rel=0.05)
+    assert plan.held == out["logits"].untyped_storage().nbytes()  # what the step holds until its backward ends
     ckpt = mlm_activations(MODEL_CPU_SMALL, CPU, 1, target_fraction=10 / 64)
     # a checkpointed layer keeps its input alone: 3 x (layer - input) less, one layer recomputed at its backward
     assert plan.kept - ckpt.kept == 3 * (layer_bytes(MODEL_CPU_SMALL, CPU) - T * B * MODEL_CPU_SMALL.hidden_size * 4)
