@@ -44,10 +44,9 @@ class S3Server:
     """The server's Prometheus metrics, when it was started with a metrics port."""
 
     def filesystem(self):
-        import pyarrow.fs as pafs
+        from core.storage import s3_filesystem
 
-        return pafs.S3FileSystem(access_key=self.env["AWS_ACCESS_KEY_ID"], secret_key=self.env["AWS_SECRET_ACCESS_KEY"],
-                                 endpoint_override=self.endpoint)
+        return s3_filesystem(self.endpoint, self.env["AWS_ACCESS_KEY_ID"], self.env["AWS_SECRET_ACCESS_KEY"])
 
     def traffic(self) -> dict[str, int]:
         """Bytes the server has received from clients into the bucket ("received": object bodies written, multipart

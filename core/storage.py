@@ -14,6 +14,12 @@ def is_uri(location: str | Path) -> bool:
     return "://" in str(location)
 
 
+def split_uri(location: str | Path) -> tuple[str, str]:
+    """(scheme, the rest after `://`) of a URI, ("", the path) of a local path: `s3://b/x` -> ("s3", "b/x")."""
+    scheme, sep, rest = str(location).partition("://")
+    return (scheme, rest) if sep else ("", str(location))
+
+
 def filesystem(location: str | Path):
     """(pyarrow filesystem, path in it) of a location: `FileSystem.from_uri` for a URI (s3://, gs://, hdfs://,
     file://), the local file system and the absolute path otherwise. The one place a location is opened."""
@@ -22,6 +28,14 @@ def filesystem(location: str | Path):
     if is_uri(location):
         return pafs.FileSystem.from_uri(str(location))
     return pafs.LocalFileSystem(), str(Path(location).absolute())
+
+
+def s3_filesystem(endpoint: str, access_key: str, secret_key: str):
+    """A pyarrow S3 file system with explicit credentials and endpoint (a server's own client, e.g. the local S3
+    server's: `cluster.local_s3`), rather than the AWS environment `filesystem` reads."""
+    import pyarrow.fs as pafs
+
+    return pafs.S3FileSystem(access_key=access_key, secret_key=secret_key, endpoint_override=endpoint)
 
 
 def join(base: str | Path, *parts: str) -> str:

@@ -146,7 +146,7 @@ def local_dir(args: argparse.Namespace) -> Path:
         return Path(args.workdir).expanduser().resolve()
     if args.local_dir is not None:
         return args.local_dir.expanduser().resolve()
-    return Path(LOCAL_DEFAULT, str(args.workdir).split("://", 1)[1].strip("/")).expanduser().resolve()
+    return Path(LOCAL_DEFAULT, storage.split_uri(args.workdir)[1].strip("/")).expanduser().resolve()
 
 
 def check_workdir(args: argparse.Namespace) -> tuple[str, Path]:

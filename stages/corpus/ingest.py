@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from core.errors import StageInputError
-from core.storage import filesystem, is_uri, store_fix
+from core.storage import filesystem, is_uri, split_uri, store_fix
 from stages.corpus.minhash import MinHasher, band_keys, normalize
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ def _list_uri(pattern: str) -> list[tuple[str, int, int]]:
 
 
 def _list_store(pattern: str) -> list[tuple[str, int, int]]:
-    scheme = pattern.split("://", 1)[0]
+    scheme = split_uri(pattern)[0]
     magic = _has_magic(pattern)
     root = pattern[:min(pattern.find(c) for c in "*?[" if c in pattern)] if magic else pattern
     fs, path = filesystem(root)
@@ -149,7 +149,7 @@ def _list_store(pattern: str) -> list[tuple[str, int, int]]:
 
 def _uri_path_pattern(pattern: str) -> str:
     """The path part of a URI glob as pyarrow reports file paths (bucket/key for object stores)."""
-    scheme, rest = pattern.split("://", 1)
+    scheme, rest = split_uri(pattern)
     return rest if scheme == "file" else rest.lstrip("/")
 
 

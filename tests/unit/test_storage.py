@@ -1,10 +1,11 @@
 """core.storage builds paths under a local directory or a URI; nothing builds a storage path with pathlib."""
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
-from core.storage import is_uri, join
+from core.storage import is_uri, join, split_uri
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,6 +19,23 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_join_keeps_the_uri_scheme(base, parts, want):
     assert join(base, *parts) == want
     assert is_uri(want) == ("://" in base)
+
+
+@pytest.mark.parametrize("location, want", [("s3://bucket/a/b", ("s3", "bucket/a/b")),
+                                            ("file:///tmp/x", ("file", "/tmp/x")), ("/tmp/x", ("", "/tmp/x"))])
+def test_split_uri_gives_the_scheme_and_the_rest(location, want):
+    assert split_uri(location) == want
+
+
+SEAM = re.compile(r'"://"|FileSystem\(|FileSystem\.from_uri|import (fsspec|s3fs|boto3)')
+"""A scheme parsed or tested by hand, or a file system opened: core/storage.py's job alone."""
+
+
+def test_locations_are_opened_and_parsed_in_core_storage_alone():
+    found = [f"{py.relative_to(ROOT)}:{n}" for folder in ("pipeline", "stages", "training", "core", "cluster", "bench")
+             for py in sorted((ROOT / folder).rglob("*.py")) if py != ROOT / "core" / "storage.py"
+             for n, line in enumerate(py.read_text().splitlines(), 1) if SEAM.search(line)]
+    assert found == [], f"use core.storage (filesystem, split_uri, is_uri, s3_filesystem) instead: {found}"
 
 
 def _pathlib_on_storage_path(tree: ast.AST) -> list[int]:
