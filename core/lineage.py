@@ -177,7 +177,8 @@ class Tracker:
 
     def log_hf_model(self, hf_dir: Path | str, *, task: str, input_example, name: str = "model",
                      tags: dict[str, Any] | None = None, kind: str = "", code_paths: tuple[Path, ...] = (),
-                     auto: str = "", outputs: list[dict[str, Any]] | None = None) -> str:
+                     auto: str = "", outputs: list[dict[str, Any]] | None = None,
+                     onnx_dir: Path | str | None = None) -> str:
         """Log an HF directory (`deberta.hf.save_pretrained`) as an MLflow Model - core/hf_pyfunc.py over the
         directory, kept whole as the model's artifact `hf` - in an MLflow 3 logged model of this run's experiment
         whose source run is this one. Returns its URI, `models:/<model_id>`, for `register_model(model_uri=...)`.
@@ -187,7 +188,8 @@ class Tracker:
         kind: for a fine-tuned model, the module of the task kind whose code predicts
         (`stages.finetune.kinds.base.TaskKind`), importable from `code_paths`, which the model ships (MLflow's
         `code_paths`); with it `auto`, the transformers auto class its export loads with, and `outputs`, its
-        answer columns as MLflow schema JSON (`TaskKind.hf_auto`, `signature_outputs`).
+        answer columns as MLflow schema JSON (`TaskKind.hf_auto`, `signature_outputs`). onnx_dir: a directory
+        holding the model's ONNX export (`deberta.onnx_export`), kept as the model's artifact `onnx` beside `hf`.
         """
         import pandas as pd
 
@@ -212,7 +214,8 @@ class Tracker:
             params=self.client.get_run(self.run_id).data.params,
             tags={k: str(v) for k, v in (tags or {}).items()} or None)
         _log_pyfunc_model(self.tracking_uri, self.run_id, logged.model_id, hf_dir, task, example,
-                          {"kind": kind, "auto": auto or PRETRAINED_AUTO.get(task, "")}, code_paths, outputs)
+                          {"kind": kind, "auto": auto or PRETRAINED_AUTO.get(task, "")}, code_paths, outputs,
+                          Path(onnx_dir).resolve() if onnx_dir else None)
         return f"models:/{logged.model_id}"
 
     def register_model(self, name: str, artifact_path: str | None = None, tags: dict[str, Any] | None = None,
@@ -245,7 +248,8 @@ class Tracker:
 
 
 def _log_pyfunc_model(tracking_uri: str, run_id: str, model_id: str, hf_dir: Path, task: str, example,
-                      serving: dict[str, str], code_paths: tuple[Path, ...], outputs: list | None) -> None:
+                      serving: dict[str, str], code_paths: tuple[Path, ...], outputs: list | None,
+                      onnx_dir: Path | None = None) -> None:
     """Fill logged model `model_id` with core/hf_pyfunc.py over the HF directory."""
     import tempfile
 
@@ -259,7 +263,8 @@ def _log_pyfunc_model(tracking_uri: str, run_id: str, model_id: str, hf_dir: Pat
         # Model.log rather than mlflow.pyfunc.log_model, which cannot name the run (it would need an active one)
         Model.log(
             artifact_path=None, name="model", flavor=mlflow.pyfunc, run_id=run_id, model_id=model_id,
-            python_model=str(HF_PYFUNC), artifacts={"hf": str(hf_dir), "interface": str(interface)},
+            python_model=str(HF_PYFUNC), artifacts={"hf": str(hf_dir), "interface": str(interface),
+                                                    **({"onnx": str(onnx_dir)} if onnx_dir else {})},
             signature=_hf_signature(task, [(c, isinstance(example[c].iloc[0], (list, tuple))) for c in example.columns],
                                      outputs), input_example=example,
             pip_requirements=[f"{p}=={metadata.version(p).split('+')[0]}" for p in HF_REQUIREMENTS],
@@ -471,6 +476,8 @@ class PredictionModel:
     """The signature's answer columns, MLflow schema JSON (None without a signature)."""
     model_id: str = ""
     """The MLflow 3 logged model behind it ("" for a run's model logged without one)."""
+    onnx: Path | None = None
+    """The directory of its ONNX export (the pyfunc's artifact `onnx`, the finetune stage's), None without one."""
 
 
 def _cache_key(client: MlflowClient, uri: str, tracking_uri: str) -> tuple[str, Path, str]:
@@ -522,7 +529,8 @@ def download_model(uri: str, tracking_uri: str, cache: Path) -> PredictionModel:
                          f"by Tracker.log_hf_model (the finetune stage's champion) or an HF export directory")
     interface = json.loads((target / artifacts["interface"]["path"]).read_text())
     outputs = json.loads(model.signature.outputs.to_json()) if model.signature and model.signature.outputs else None
-    return PredictionModel(version_uri, target, target / artifacts["hf"]["path"], interface, outputs, model_id)
+    onnx = target / artifacts["onnx"]["path"] if "onnx" in artifacts else None
+    return PredictionModel(version_uri, target, target / artifacts["hf"]["path"], interface, outputs, model_id, onnx)
 
 
 def log_prediction(tracking_uri: str, name: str, model_uri: str, model_id: str, inputs: str, input_digest: str,

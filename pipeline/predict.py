@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--column", action="append", default=[], metavar="MODEL_COLUMN=FIELD",
                    help="read the model's column from another field of the input (repeatable)")
     p.add_argument("--backend", choices=("torch", "onnx"), default="torch",
-                   help="torch, or onnxruntime over an ONNX export checked against torch first")
+                   help="torch, or onnxruntime over the version's ONNX export (an HF directory's, or an older "
+                        "version's, exported once per node), checked against torch first")
     p.add_argument("--batch-size", type=int, default=256, help="rows per batch an actor answers (default 256)")
     p.add_argument("--actors", type=int, default=0, help="actors in the pool (default: the cluster's CPUs or GPUs "
                                                          "over what one actor takes)")
@@ -106,7 +107,7 @@ class Job:
 def resolve_model(spec: str, cache: str) -> tuple[ModelRef, tuple[str, ...], Path, str]:
     """(ModelRef without columns, the model's input columns, its HF directory here, the logged model id)."""
     if os.path.isdir(spec):
-        return _directory_model(spec)
+        return _directory_model(spec, cache)
     if not spec.startswith(("models:/", "runs:/")):
         raise UserError(f"MODEL {spec!r} is neither a directory nor a model URI; give models:/NAME@ALIAS, "
                         f"models:/NAME/VERSION, runs:/RUN_ID/PATH or an HF export directory")
@@ -127,7 +128,7 @@ def resolve_model(spec: str, cache: str) -> tuple[ModelRef, tuple[str, ...], Pat
     return ref, tuple(model.interface["inputs"]), model.hf, model.model_id
 
 
-def _directory_model(path: str) -> tuple[ModelRef, tuple[str, ...], Path, str]:
+def _directory_model(path: str, cache: str) -> tuple[ModelRef, tuple[str, ...], Path, str]:
     from stages.finetune.kinds import KINDS
 
     path = os.path.abspath(path)
@@ -145,7 +146,7 @@ def _directory_model(path: str) -> tuple[ModelRef, tuple[str, ...], Path, str]:
     outputs = kind.signature_outputs(_Problem(problem or kind.problems[0]))
     digest = hashlib.sha256("".join(file_digest(p) for p in sorted(Path(path).iterdir()) if p.is_file()).encode())
     version = f"{path}#sha256:{digest.hexdigest()[:16]}"
-    ref = ModelRef(path, "", "", type(kind).__module__, (), _outputs(outputs), version)
+    ref = ModelRef(path, "", cache, type(kind).__module__, (), _outputs(outputs), version)
     return ref, DIR_INPUTS[kind.pyfunc_task], Path(path), ""
 
 
@@ -236,7 +237,7 @@ def plan(args: argparse.Namespace) -> Job:
         raise UserError(f"output {args.output} holds predictions of another input or model ({manifest.get('model')}, "
                         f"{manifest.get('input')}); choose another --output, or pass --force to replace them")
     if args.backend == "onnx":
-        ref = replace(ref, onnx=_onnx(hf, ref, files[0][0], Path(args.cache)))
+        _check_onnx(hf, ref, files[0][0])
     return Job(ref, files, args.output, key, model_id)
 
 
@@ -247,20 +248,21 @@ def _task_of(hf: Path) -> str:
     return next((k.pyfunc_task for k in KINDS.values() if arch.endswith(k.hf_auto.removeprefix("AutoModel"))), "")
 
 
-def _onnx(hf: Path, ref: ModelRef, first: str, cache: Path) -> str:
-    """The model's ONNX export (made once per model under the cache), checked against torch on the input's first
-    rows as the kind encodes them; refused when it differs (`deberta.onnx_export.check`)."""
+def _check_onnx(hf: Path, ref: ModelRef, first: str) -> None:
+    """The ONNX export the actors will run (`pipeline.predictor.onnx_file`: the version's own, else one exported here
+    once), checked against torch on the input's first rows as the kind encodes them; refused when it differs
+    (`deberta.onnx_export.check`)."""
     import importlib
     import itertools
 
     import transformers
 
     from deberta import onnx_export
+    from pipeline.predictor import onnx_file
     from stages.corpus.ingest import read_fields
 
-    out = cache / "onnx" / hashlib.sha256(ref.version.encode()).hexdigest()[:16]
     try:
-        path = out / onnx_export.FILE if (out / onnx_export.FILE).is_file() else onnx_export.export(hf, out)
+        path, origin = onnx_file(ref)
         records = itertools.islice(read_fields(first, [f for _, f in ref.columns], 1 << 24), ONNX_SAMPLE)
         rows = [v for _, v, _ in records if v is not None]
         kind = importlib.import_module(ref.kind).KIND
@@ -271,8 +273,7 @@ def _onnx(hf: Path, ref: ModelRef, first: str, cache: Path) -> str:
         diff = onnx_export.check(hf, path, kind.encode_inputs(tok, columns, settings).ids)
     except ValueError as e:
         raise UserError(str(e)) from None
-    print(f"onnx: {path} (logits within {diff:.1e} of torch on {len(rows)} input rows)")
-    return str(path)
+    print(f"onnx: {path}, {origin} (logits within {diff:.1e} of torch on {len(rows)} input rows)")
 
 
 # ----------------------------------------------------------------------------------------------- the run

@@ -61,8 +61,6 @@ class ModelRef:
     version: str
     """The `model_version` column: the version URI, or the directory and its digest."""
     backend: str = "torch"
-    onnx: str = ""
-    """The verified ONNX export (backend "onnx")."""
     threads: int = 0
     """torch / onnxruntime threads per actor (0: the library's default)."""
 
@@ -74,6 +72,29 @@ def hf_dir(ref: ModelRef) -> Path:
 
         return download_model(ref.uri, ref.tracking_uri, Path(ref.cache)).hf
     return Path(ref.uri)
+
+
+def onnx_file(ref: ModelRef) -> tuple[Path, str]:
+    """The ONNX export the actors run on this node, and where it came from: a registry version's own (its artifact
+    `onnx`, which the finetune stage exported and checked against torch); else, for an HF directory or a version
+    logged without one, an export of the HF directory made once per node under the cache (`deberta.onnx_export`)."""
+    import hashlib
+
+    from deberta import onnx_export
+
+    if ref.tracking_uri:
+        from core.lineage import download_model
+
+        model = download_model(ref.uri, ref.tracking_uri, Path(ref.cache))
+        if model.onnx is not None and (model.onnx / onnx_export.FILE).is_file():
+            return model.onnx / onnx_export.FILE, "the version's own"
+        hf, origin = model.hf, "exported here from the version's hf/ (the version carries no onnx/)"
+    else:
+        hf, origin = Path(ref.uri), "exported here from the directory"
+    out = Path(ref.cache) / "onnx" / hashlib.sha256(ref.version.encode()).hexdigest()[:16]
+    if (out / onnx_export.FILE).is_file():  # renamed into place whole by `export`: present means complete
+        return out / onnx_export.FILE, origin.replace("exported here", "exported earlier")
+    return onnx_export.export(hf, out), origin
 
 
 def read_rows(batch: pa.Table, ref: ModelRef, rows: int) -> Iterator[pa.Table]:
@@ -126,7 +147,7 @@ class Predictor:
         if ref.backend == "onnx":
             from deberta import onnx_export
 
-            sess = onnx_export.session(ref.onnx, ref.threads)
+            sess = onnx_export.session(onnx_file(ref)[0], ref.threads)
 
             def forward(ids, mask):  # (B, T) -> the kind's logits, from onnxruntime's named outputs
                 out = onnx_export.run(sess, ids.numpy(), mask.numpy())

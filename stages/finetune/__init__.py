@@ -11,9 +11,10 @@
     control.py   finetune.control=scratch: the same sweep from the initial weights, the gain on the registry version
 
 Outputs: model/ (config.json, model.pt, finetune.json, tokenizer/), hf/ (DebertaV2For{Sequence,Token}-
-Classification or DebertaV2ForQuestionAnswering with its tokenizer and label names), results.csv (one row per
+Classification or DebertaV2ForQuestionAnswering with its tokenizer and label names), onnx/model.onnx (hf/ for
+onnxruntime, checked against torch on dev rows; absent where the check refused it), results.csv (one row per
 trial), sweep.png (dev metric against learning rate), champion.json. The champion is registered as
-`deberta-<preset>-<task>` with alias `champion`, an MLflow Model over hf/:
+`deberta-<preset>-<task>` with alias `champion`, an MLflow Model over hf/ (and onnx/):
 `mlflow.pyfunc.load_model("models:/deberta-<preset>-<task>@champion").predict(df)` reads the kind's columns
 (`sentence1` (+ `sentence2`); `text`; `question` + `context`) and answers label/score, entities, or answers.
 """
@@ -32,11 +33,11 @@ from stages.base import StageContext, StageResult
 from stages.finetune.control import run_control
 from stages.finetune.data import ExternalCheckpoint, load_pretrained, prepare_data
 from stages.finetune.kinds.base import TaskRef
-from stages.finetune.registry import _jsonable, export_hf, plot_sweep, register_champion, save_model
+from stages.finetune.registry import _jsonable, export_hf, export_onnx, plot_sweep, register_champion, save_model
 from stages.finetune.sweep import (GRID_KEYS, _trial_runs_callback, best_checkpoint, grid_size, pick_champion,
                                    results_table, run_sweep)
 
-VERSION = "2"
+VERSION = "3"
 """Bumped when the stage's code changes what it writes (part of the artifact id)."""
 
 
@@ -88,8 +89,10 @@ def run(cfg: FinetuneConfig, *, model: DebertaConfig, inputs: dict[str, Any], ou
     (out / "champion.json").write_text(json.dumps(_jsonable(champion), indent=2, sort_keys=True) + "\n")
 
     export_hf(out / "model", out / "hf", task, float(champion["dropout"]))
+    onnx = export_onnx(out / "hf", out / "onnx", data[1].ids)
+    print(f"[finetune] onnx/ {onnx}", flush=True)
     control = run_control(setup, data, ctx, metric, champion, out) if cfg.control == "scratch" else {}
-    version = register_champion(ctx, out, task, champion, metric, baseline, init, control.get("tags"))
+    version = register_champion(ctx, out, task, champion, metric, baseline, init, control.get("tags"), onnx)
     name = f"deberta-{ctx.preset}-{task.name}"
     trial_cfg = {k: _jsonable(champion)[k] for k in (*GRID_KEYS, "seed")}
     return StageResult(

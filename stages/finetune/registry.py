@@ -89,11 +89,40 @@ def export_hf(model_dir: Path, hf_dir: Path, task: TaskRef, dropout: float) -> N
                        config_extra=task.kind.export_config(task, head))
 
 
+ONNX_CHECK_ROWS = 64
+"""Dev rows the ONNX export is checked on against torch before it goes into the registry version."""
+
+
+def export_onnx(hf_dir: Path, onnx_dir: Path, dev_ids) -> str:
+    """onnx_dir/model.onnx: the champion for onnxruntime (`deberta.onnx_export`), its logits checked against torch's
+    on the first dev rows, at their own width and at a narrower one (the traced graph holds at any length). Returns
+    the line the stage prints and the version is tagged with; an export that differs (or one the exporter refuses)
+    is deleted and said there: the version then carries hf/ alone, never an ONNX file that answers differently."""
+    import shutil
+
+    import numpy as np
+
+    from deberta import onnx_export
+
+    rows = np.asarray(dev_ids[:ONNX_CHECK_ROWS]).astype(np.int64)
+    width = max(1, int((rows != 0).sum(-1).max()))  # right-padded with [PAD]=0: the widest row's tokens
+    narrow = max(1, width // 2)
+    batches = (rows[..., :width], rows[:8, ..., :narrow])
+    try:
+        path = onnx_export.export(hf_dir, onnx_dir)
+        diff = onnx_export.check(hf_dir, path, *batches)
+    except ValueError as e:
+        shutil.rmtree(onnx_dir, ignore_errors=True)
+        return f"none: {e}"
+    return f"{onnx_export.FILE}: logits within {diff:.1e} of torch on {len(rows)} dev rows"
+
+
 def register_champion(ctx: StageContext, out: Path, task: TaskRef, champion: dict, metric: str,
                       baseline: float, init: "ExternalCheckpoint | None" = None,
-                      extra_tags: dict[str, str] | None = None) -> str:
+                      extra_tags: dict[str, str] | None = None, onnx: str = "") -> str:
     """Log model/ on the stage's run, hf/ as an MLflow Model (core/hf_pyfunc.py: `mlflow.pyfunc.load_model`
-    predicts from `sentence1` (+ `sentence2`), `mlflow models serve` serves it), and register that as
+    predicts from `sentence1` (+ `sentence2`), `mlflow models serve` serves it) with onnx/ beside it when
+    `export_onnx` wrote one (`pipeline.predict --backend onnx` runs it; `onnx`: its line, a tag), and register that as
     deberta-<preset>-<task> @champion; returns the version. init: the external checkpoint it started from, named
     in the version's tags (`init`, `init_digest`); `extra_tags`: e.g. the gain over scratch (`control.py`)."""
     ctx.tracker.log_artifacts(out / "model", "model")
@@ -106,11 +135,14 @@ def register_champion(ctx: StageContext, out: Path, task: TaskRef, champion: dic
     if init is not None:
         tags.update(init=init.source, init_digest=init.id)
     tags.update(extra_tags or {})
+    if onnx:
+        tags["onnx"] = onnx
     kind = task.kind
+    onnx_dir = out / "onnx" if (out / "onnx").is_dir() else None
     with tempfile.TemporaryDirectory() as code:  # the kinds' code ships with the model: it predicts (one path)
         uri = ctx.tracker.log_hf_model(out / "hf", task=kind.pyfunc_task, input_example=kind.input_example(task),
                                        name="champion", tags=tags, kind=type(kind).__module__,
                                        code_paths=tuple(code_tree(Path(code), kind)), auto=kind.hf_auto,
-                                       outputs=kind.signature_outputs(task))
+                                       outputs=kind.signature_outputs(task), onnx_dir=onnx_dir)
     return ctx.tracker.register_model(f"deberta-{ctx.preset}-{task.name}", model_uri=uri, alias="champion",
                                       tags=tags)

@@ -190,8 +190,11 @@ def test_sweep_beats_baseline_and_registers_champion(tiny_pretrained, ray_local,
     assert float(mv.tags["dev_accuracy"]) == pytest.approx(best, abs=1e-5)
     files = {f.path for f in client.list_artifacts(tracker.run_id, "model")}
     assert {"model/model.pt", "model/config.json", "model/finetune.json", "model/tokenizer"} <= files
-    # ... an MLflow Model over hf/, which transformers loads with the task's label names
+    # ... an MLflow Model over hf/, which transformers loads with the task's label names, and onnx/ beside it
     assert mv.source.startswith("models:/")
+    onnx = client.list_logged_model_artifacts(mv.source.removeprefix("models:/"), "artifacts/onnx")
+    assert [f.path for f in onnx] == ["artifacts/onnx/model.onnx"] and (out / "onnx" / "model.onnx").is_file()
+    assert re.fullmatch(r"model\.onnx: logits within \S+ of torch on 64 dev rows", mv.tags["onnx"]), mv.tags
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     exported = AutoModelForSequenceClassification.from_pretrained(out / "hf").eval()

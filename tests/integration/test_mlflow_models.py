@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from deberta import hf
 from deberta.config import debug
@@ -28,6 +29,7 @@ from core.config import VocabConfig
 from core.lineage import EXPERIMENT_KIND, TAG_EXPERIMENT_KIND, Lineage
 from core.tokenizer import MODEL_FILE, SPECIAL_FILE, Tokenizer
 from stages.finetune.kinds.base import code_tree
+from stages.finetune.registry import export_onnx
 from stages.vocab import train_model
 from tests.integration.mlflow_serve import fill_mask_reference, serve_once
 
@@ -86,6 +88,9 @@ def registered(mlflow_server, vocab_dir, tmp_path_factory):
                 "sts": hf.save_pretrained(models["sts"], root / "sts", vocab_dir=vocab_dir, model_max_length=64),
                 "mlm": hf.save_pretrained(models["mlm"], root / "mlm", vocab_dir=vocab_dir),
                 "enc": hf.save_pretrained(models["enc"], root / "enc", vocab_dir=vocab_dir)}
+        # the classifier's version carries its ONNX export too, as the finetune stage's champion does
+        ids = np.array(AutoTokenizer.from_pretrained(str(dirs["clf"]))(REVIEWS, padding=True)["input_ids"])
+        assert export_onnx(dirs["clf"], root / "clf-export" / "onnx", ids).startswith("model.onnx: logits within ")
         code = tuple(code_tree(root / "code"))  # the sequence kind answers for a classifier (one prediction path)
         seq = {"kind": "stages.finetune.kinds.sequence", "code_paths": code,
                "auto": "AutoModelForSequenceClassification"}
@@ -94,7 +99,7 @@ def registered(mlflow_server, vocab_dir, tmp_path_factory):
         uris = {
             "clf": tracker.log_hf_model(dirs["clf"], task="text-classification",
                                         input_example=pd.DataFrame({"sentence1": REVIEWS[:2]}), tags={"task": "rt"},
-                                        outputs=label + score, **seq),
+                                        outputs=label + score, onnx_dir=root / "clf-export" / "onnx", **seq),
             "sts": tracker.log_hf_model(dirs["sts"], task="text-classification", input_example=PAIRS,
                                         outputs=score, **seq),
             "mlm": tracker.log_hf_model(dirs["mlm"], task="fill-mask",
@@ -243,6 +248,12 @@ def test_batch_predictions_are_the_registered_models(mlflow_server, registered, 
     capsys.readouterr()
     assert main(argv) == 0 and "nothing to do" in capsys.readouterr().out  # the same input and model: reused
     assert {p: p.stat().st_mtime_ns for p in out.iterdir()} == shards
+    # --backend onnx: onnxruntime over the version's own onnx/model.onnx (logged beside hf/), the same answers
+    assert main([*argv[:4], str(tmp_path / "onnx"), *argv[5:], "--backend", "onnx"]) == 0
+    assert re.search(r"onnx: \S+/artifacts/onnx/model.onnx, the version's own", capsys.readouterr().out)
+    by_onnx, by_torch = pd.read_parquet(tmp_path / "onnx").sort_values("index"), got.sort_values("index")
+    assert list(by_onnx["label"]) == list(by_torch["label"])
+    assert by_onnx["score"].tolist() == pytest.approx(by_torch["score"].tolist(), abs=1e-5)
 
 
 def test_batch_prediction_refusals_are_one_line(mlflow_server, registered, news_subset, tmp_path, monkeypatch,
