@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,7 +31,7 @@ import time
 from pathlib import Path
 
 
-from bench.common import RESULTS, command_line, emit, load_average
+from bench.common import RESULTS, command_line, comma_ints, emit, load_average
 
 FIXTURES = "allennlp/tests/fixtures/data"
 MAX_LEN, STRIDE = 64, 16  # the debug preset's finetune.max_seq_len and doc_stride
@@ -116,15 +117,11 @@ def predictor_rate(kind: str, hf_dir: Path, columns: dict[str, list[str]], batch
     windows per row: a long text or context is read in overlapping windows)."""
     import pyarrow as pa
 
-    from deberta import onnx_export
     from pipeline.predict import resolve_model
     from pipeline.predictor import REASON, Predictor
 
     ref, inputs, _, _ = resolve_model(str(hf_dir), str(cache))
     ref = ref.__class__(**{**ref.__dict__, "columns": tuple((c, c) for c in inputs), "backend": backend, "threads": 1})
-    if backend == "onnx":
-        onnx_path = onnx_export.export(hf_dir, cache / f"{kind}-{hf_dir.name}")
-        ref = ref.__class__(**{**ref.__dict__, "onnx": str(onnx_path)})
     actor = Predictor(ref)
     n = len(next(iter(columns.values())))
     table = pa.table({"row_id": [str(i) for i in range(n)], "source": ["bench"] * n, "index": list(range(n)),
@@ -155,21 +152,93 @@ def matmul_rate(m: int, k: int, n: int, repeats: int = 200) -> float:
     return 2.0 * m * k * n * repeats / best
 
 
-def end_to_end(hf_dir: Path, rows: int, root: Path, actors: int) -> dict:
-    """`python -m pipeline.predict` with `actors` actors of one CPU: the rows/s it reports."""
+ROLES = (("actors", ("MapWorker",)), ("reader", ("read_rows", "ReadRows", "FromItems")), ("writer", ("Write",)),
+         ("ray", ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py", "runtime_env", "ray::IDLE",
+                  "default_worker", "ray::")))
+"""A process's role in a `pipeline.predict` run, by its command line (Ray sets a worker's to what it runs: the
+actor `ray::MapWorker(MapBatches(Predictor))`, a task `ray::MapBatches(read_rows)` or `ray::Write`); the rest is
+the driver (the command itself: Ray Data's streaming executor)."""
+
+
+class CpuAccount:
+    """CPU seconds of a command's process tree by role (`ROLES`), and of the whole machine, sampled every
+    `period` seconds: each process's CPU time since the last sample is given to the role its command line names
+    at this sample (a pooled Ray worker that reads, then writes, is counted where it was seen). A process's last
+    `period` before it exits is not seen. `others`: the machine's busy CPU seconds that were not this tree's."""
+
+    def __init__(self, pid: int, period: float = 0.5):
+        import psutil
+
+        self.root, self.period, self.psutil = pid, period, psutil
+        self.last: dict[int, float] = {}
+        self.by_role = {r: 0.0 for r, _ in ROLES} | {"driver": 0.0}
+        self.machine0 = self._busy()
+
+    def _busy(self) -> float:
+        t = self.psutil.cpu_times()
+        return t.user + t.nice + t.system + t.irq + t.softirq + getattr(t, "steal", 0.0)
+
+    def _role(self, cmdline: str) -> str:
+        return next((r for r, words in ROLES if any(w in cmdline for w in words)), "driver")
+
+    def sample(self) -> None:
+        ps = self.psutil
+        try:
+            procs = [ps.Process(self.root), *ps.Process(self.root).children(recursive=True)]
+        except ps.Error:
+            return
+        for p in procs:
+            try:
+                with p.oneshot():
+                    t = p.cpu_times()
+                    cpu, role = t.user + t.system, ("driver" if p.pid == self.root else
+                                                    self._role(" ".join(p.cmdline())))
+            except ps.Error:
+                continue
+            self.by_role[role] += cpu - self.last.get(p.pid, 0.0)
+            self.last[p.pid] = cpu
+
+    def report(self, wall: float) -> dict:
+        ours = sum(self.by_role.values())
+        return {"cpu_s": {k: round(v, 1) for k, v in self.by_role.items()}, "cpu_s_ours": round(ours, 1),
+                "cpu_s_others": round(self._busy() - self.machine0 - ours, 1), "wall_s": round(wall, 1),
+                "cores_busy_ours": round(ours / wall, 2)}
+
+
+def run_accounted(cmd: list[str], env: dict[str, str]) -> tuple[str, dict]:
+    """The command's output and its `CpuAccount` report; SystemExit when it fails."""
+    log = Path(tempfile.mkstemp(prefix="predict-", suffix=".log")[1])
+    started = time.time()
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, text=True, env=env)
+    account = CpuAccount(proc.pid)
+    while proc.poll() is None:
+        account.sample()
+        time.sleep(account.period)
+    text = log.read_text()
+    log.unlink()
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{text[-4000:]}")
+    return text, account.report(time.time() - started)
+
+
+def end_to_end(hf_dir: Path, rows: int, root: Path, actors: int, batch: int = 256) -> dict:
+    """`python -m pipeline.predict` with `actors` actors of one CPU: the rows/s it reports, and where the CPU went
+    (`CpuAccount`: the actors' share against Ray Data's reader and writer, the driver, Ray, and everything else
+    on the machine)."""
     corpus = root / "e2e.jsonl"
     if not corpus.exists():
         corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts_of("sequence", rows)["sentence1"]))
-    cmd = [sys.executable, "-m", "pipeline.predict", str(hf_dir), "--input", str(corpus), "--output",
-           str(root / f"out-{actors}"), "--column", "sentence1=text", "--actors", str(actors), "--cpus-per-actor",
-           "1", "--cache", str(root / "cache")]
-    res = subprocess.run(cmd, capture_output=True, text=True, env={k: v for k, v in os.environ.items()
-                                                                   if k != "MLFLOW_TRACKING_URI"})
-    if res.returncode != 0:
-        raise SystemExit(f"pipeline.predict failed:\n{res.stderr[-3000:]}")
-    m = re.search(r"(\d+) rows \((\d+) answered\).* in ([\d.]+) s", res.stdout)
-    return {"rows": int(m.group(1)), "seconds": float(m.group(3)), "rows_per_s": round(int(m.group(1)) /
-                                                                                        float(m.group(3)), 1)}
+    out = root / f"out-{actors}-{batch}"
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "pipeline.predict", str(hf_dir), "--input", str(corpus), "--output", str(out),
+           "--column", "sentence1=text", "--actors", str(actors), "--cpus-per-actor", "1", "--batch-size",
+           str(batch), "--cache", str(root / "cache")]
+    text, cpu = run_accounted(cmd, {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"})
+    m = re.search(r"(\d+) rows \((\d+) answered\).* in ([\d.]+) s", text)
+    n, seconds = int(m.group(1)), float(m.group(3))
+    return {"actors": actors, "batch": batch, "rows": n, "seconds": seconds, "rows_per_s": round(n / seconds, 1),
+            "actor_cpu_ms_per_row": round(1e3 * cpu["cpu_s"]["actors"] / n, 3), **cpu}
 
 
 def main() -> None:
@@ -179,8 +248,16 @@ def main() -> None:
     ap.add_argument("--e2e-rows", type=int, default=20_000, help="rows of the end-to-end runs")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--sizes", default="debug,cpu-small")
-    ap.add_argument("--json", type=Path, default=RESULTS / "predict.json")
+    ap.add_argument("--json", type=Path, default=None, help="default bench/results/predict.json (predict_scaling.json "
+                                                            "with --scaling)")
+    ap.add_argument("--scaling", action="store_true", help="only the end-to-end runs: 1 and 2 actors interleaved, "
+                                                          "--repeats times per --e2e-batches size")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--e2e-batches", type=comma_ints, default=(256,), help="actor batch sizes of --scaling")
     args = ap.parse_args()
+    if args.scaling:
+        return scaling(args)
+    args.json = args.json or RESULTS / "predict.json"
     import torch
 
     from deberta import hf
@@ -227,6 +304,40 @@ def main() -> None:
     lines += [f"| {n} | {e2e[n]['rows']} | {e2e[n]['seconds']:.1f} | {e2e[n]['rows_per_s']:.0f} |"
               for n in ("actors_1", "actors_2")]
     emit(report, args.json, "\n".join(lines))
+
+
+def scaling(args) -> None:
+    """1 and 2 actors, interleaved (1, 2, 1, 2, ...: a load that comes and goes falls on both), per batch size;
+    each run's rows/s and where its CPU went (`CpuAccount`)."""
+    import statistics
+
+    root = Path(tempfile.mkdtemp(prefix="bench-predict-scaling-"))
+    hf_dir = build_models(root, ["debug"])["sequence", "debug"]
+    runs, lines = [], ["| batch | actors | rows/s | actor CPU ms/row | CPU s: actors | reader | writer | driver | "
+                       "Ray | others on the machine | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for rep in range(args.repeats):
+        for batch in args.e2e_batches:
+            for actors in (1, 2):
+                run = end_to_end(hf_dir, args.e2e_rows, root, actors, batch)
+                runs.append(run)
+                c = run["cpu_s"]
+                lines.append(f"| {batch} | {actors} | {run['rows_per_s']:.0f} | {run['actor_cpu_ms_per_row']:.3f} | "
+                             f"{c['actors']:.1f} | {c['reader']:.1f} | {c['writer']:.1f} | {c['driver']:.1f} | "
+                             f"{c['ray']:.1f} | {run['cpu_s_others']:.1f} | {run['wall_s']:.1f} |")
+                print(lines[-1], flush=True)
+    summary = {}
+    for batch in args.e2e_batches:
+        rate = {n: [r["rows_per_s"] for r in runs if r["batch"] == batch and r["actors"] == n] for n in (1, 2)}
+        pairs = [b / a for a, b in zip(rate[1], rate[2])]
+        summary[f"batch_{batch}"] = {"median_rows_per_s_1": statistics.median(rate[1]),
+                                     "median_rows_per_s_2": statistics.median(rate[2]),
+                                     "scaling_2_over_1_median": round(statistics.median(rate[2]) /
+                                                                      statistics.median(rate[1]), 2),
+                                     "scaling_2_over_1_pairs": [round(p, 2) for p in pairs]}
+    report = {"bench": "predict_scaling", "command": command_line(), "rows": args.e2e_rows, "kind": "sequence",
+              "size": "debug", "load_average": load_average(), "cpus": os.cpu_count(), "summary": summary,
+              "runs": runs}
+    emit(report, args.json or RESULTS / "predict_scaling.json", "\n".join(lines))
 
 
 def _hf_config(hf_dir: Path):
