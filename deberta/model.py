@@ -235,6 +235,9 @@ class DebertaEncoder(nn.Module):
         self.gradient_checkpointing: int = 0
         """K: recompute layers 0, K, 2K, ... in the backward pass, keeping only their inputs (1 or True: every
         layer; 0 or False: none). Set from outside, like any distribution choice (`set_activation_checkpointing`)."""
+        self.compiled_layers = False
+        """Its layers are `torch.compile`d (`compile_layers`, set from outside): the key mask then reaches them even
+        when every token is real, so a batch with padding runs the same graph as one without."""
 
     def layer_at(self, depth: int) -> DebertaLayer:
         """The layer run at `depth` (0-based); with share_layers="all" the one layer at every depth."""
@@ -282,6 +285,24 @@ def set_activation_checkpointing(model: nn.Module, every: int) -> int:
     for encoder in encoders:
         encoder.gradient_checkpointing = every
     return len(encoders)
+
+
+def compile_layers(model: nn.Module) -> int:
+    """`torch.compile` every encoder layer of `model` in place (the MLM, RTD's generator and discriminator, a
+    fine-tuning head's backbone); returns the layers compiled. Parameter names do not change.
+
+    Regional compilation, as torchtitan compiles each transformer block: a layer's shapes are fixed for a run
+    ((B, T, H) in, the same out), so its graph compiles once per mode (train, eval) and every layer of an encoder
+    runs it. What stays eager has shapes that depend on the data: the MLM targets' layout (`target_layout`, whose
+    count varies per batch), the EMD's two passes and the head over those targets, and `encode`'s check for a batch
+    without padding. Compiling the whole model breaks its graph at each of them and recompiles as the counts vary."""
+    encoders = [m for m in model.modules() if isinstance(m, DebertaEncoder)]
+    layers = {id(layer): layer for encoder in encoders for layer in encoder.layer}
+    for encoder in encoders:
+        encoder.compiled_layers = True
+    for layer in layers.values():
+        layer.compile()
+    return len(layers)
 
 
 def document_mask(document_ids: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
@@ -332,7 +353,7 @@ class DebertaModel(nn.Module):
         `deberta.rtd`).
         """
         mask = None if attention_mask is None else attention_mask.bool()
-        if mask is not None and bool(mask.all()):
+        if mask is not None and not self.encoder.compiled_layers and bool(mask.all()):
             mask = None  # nothing to mask (packed pretraining batches): skip the masked_fill in every layer
         emb = self.embeddings(input_ids, mask, embedding_delta, word_base)
         attn_mask = mask if document_ids is None else document_mask(document_ids, mask)

@@ -113,11 +113,8 @@ class Engine:
         """The dtype the forward pass runs in under `torch.autocast` (bf16 on CPU), or None."""
         self._grad_norm: float | None = None
         self._forward = self.ds if self.ds is not None else self.model
-        if compile:  # the module keeps its own parameter names: checkpoints and exports read `module`, not this
-            if self.ds is not None:
-                self.ds.compile()
-            else:
-                self._forward = torch.compile(self.model)
+        if compile:
+            _compile(self.module)
         self.compiled = compile
 
     @property
@@ -317,6 +314,16 @@ def deepspeed_engine(model: nn.Module, spec: OptimSpec, ds_config: DeepSpeedConf
     # (measured: 0.3-0.4 GiB of a rank of a 335M-parameter model)
     heap_trimmer()()
     return Engine(model, optimizer, scheduler, spec, ds_engine, autocast=autocast, compile=compile)
+
+
+def _compile(model: nn.Module) -> None:
+    """`torch.compile` the model's encoder layers in place (`deberta.model.compile_layers`), the same under DeepSpeed
+    (whose own `engine.compile()` compiles the whole module) as on plain torch: the rest of the MLM step has
+    data-dependent shapes, and a whole-model graph broke at each of them and recompiled mid-run as they varied."""
+    from deberta.model import compile_layers
+
+    if not compile_layers(model):
+        raise ValueError(f"compile: {type(model).__name__} has no DeBERTa encoder to compile")
 
 
 def _checkpointed(make_model: Callable[[], nn.Module], every: int) -> Callable[[], nn.Module]:
