@@ -13,7 +13,8 @@ Read from the run's own output: the tokens/s of every progress window (`step N/M
 `TORCH_LOGS=recompiles` in the workers' environment, every recompilation torch.compile logs, with its reason and
 the window in which it arrived. Warm-up is everything before the first progress line (the validation pass at step
 0 and the first steps, where the eval and train graphs compile): `warmup_s` is the time from the worker's first
-line to its first progress line, and `compile_warmup_s` that less the eager arm's. Writes
+line to its first progress line, and `compile_warmup_s` that less the eager arm's (compiled cold: inductor's
+on-disk caches off, as on a fresh node). Writes
 bench/results/compile_stage.json (or `--json PATH`) and a table.
 """
 
@@ -56,7 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run_stage(tree: Path, workdir: Path, sets: dict[str, Any]) -> dict[str, Any]:
     """One `pipeline.run --until pretrain`, its output read line by line as it arrives (arrival times kept)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
-    env.update(PYTHONUNBUFFERED="1", TORCH_LOGS="recompiles")
+    # a cold compilation, as a fresh node pays it: inductor's on-disk caches would serve an earlier run's graphs
+    env.update(PYTHONUNBUFFERED="1", TORCH_LOGS="recompiles", TORCHINDUCTOR_FX_GRAPH_CACHE="0",
+               TORCHINDUCTOR_AUTOGRAD_CACHE="0")
     cmd = [sys.executable, "-m", "pipeline.run", "--preset", "cpu-small", "--until", "pretrain", "--workdir",
            str(workdir), *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]
     started = time.time()

@@ -287,7 +287,7 @@ def set_activation_checkpointing(model: nn.Module, every: int) -> int:
     return len(encoders)
 
 
-def compile_layers(model: nn.Module) -> int:
+def compile_layers(model: nn.Module, **options) -> int:
     """`torch.compile` every encoder layer of `model` in place (the MLM, RTD's generator and discriminator, a
     fine-tuning head's backbone); returns the layers compiled. Parameter names do not change.
 
@@ -295,13 +295,14 @@ def compile_layers(model: nn.Module) -> int:
     ((B, T, H) in, the same out), so its graph compiles once per mode (train, eval) and every layer of an encoder
     runs it. What stays eager has shapes that depend on the data: the MLM targets' layout (`target_layout`, whose
     count varies per batch), the EMD's two passes and the head over those targets, and `encode`'s check for a batch
-    without padding. Compiling the whole model breaks its graph at each of them and recompiles as the counts vary."""
+    without padding. Compiling the whole model breaks its graph at each of them and recompiles as the counts vary.
+    `options`: `torch.compile`'s (e.g. `backend`)."""
     encoders = [m for m in model.modules() if isinstance(m, DebertaEncoder)]
     layers = {id(layer): layer for encoder in encoders for layer in encoder.layer}
     for encoder in encoders:
         encoder.compiled_layers = True
     for layer in layers.values():
-        layer.compile()
+        layer.compile(**options)
     return len(layers)
 
 

@@ -91,16 +91,57 @@ def test_the_deepspeed_engine_computes_in_bf16_when_asked_with_fp32_gradients(tm
         torch.distributed.destroy_process_group()
 
 
-def test_compile_asked_for_is_what_the_engine_steps():
-    """The engine's forward is the compiled module (compiling happens at the first call, measured in bench/); the
-    module it saves keeps the model's own parameter names."""
+def test_compile_asked_for_compiles_every_encoder_layer_in_place():
+    """compile=True compiles the encoder layers, on plain torch and (the same call) under DeepSpeed; the module it
+    saves keeps the model's own parameter names."""
     cfg = debug(vocab_size=300)
     engine = build(lambda: DebertaForMaskedLM(cfg), SPEC, seed=0, compile=True)
-    assert isinstance(engine._forward, torch._dynamo.eval_frame.OptimizedModule) and engine.compiled
-    assert engine._forward._orig_mod is engine.module
-    assert not any(k.startswith("_orig_mod") for k in engine.module.state_dict())
+    layers = engine.module.deberta.encoder.layer
+    assert engine.compiled and all(layer._compiled_call_impl is not None for layer in layers)
+    assert engine.module.deberta.embeddings._compiled_call_impl is None  # the rest stays eager
+    assert not any("_orig_mod" in k for k in engine.module.state_dict())
     plain = build(lambda: DebertaForMaskedLM(cfg), SPEC, seed=0)
-    assert plain._forward is plain.module and not plain.compiled
+    assert plain.module.deberta.encoder.layer[0]._compiled_call_impl is None and not plain.compiled
+
+
+def test_compiled_layers_do_not_recompile_after_the_first_steps():
+    """The stage's validation pass (eval, no grad) and train steps on compiled layers: one graph per mode for every
+    layer, and nothing compiles again as the masked-target counts vary, a batch has padding, or validation comes
+    back. (Dynamo's guards decide recompilation whatever the backend: `eager` skips inductor's code generation.)"""
+    from torch._dynamo.utils import counters
+
+    from deberta.model import compile_layers
+    from stages.pretrain.loop import optim_spec, train_step, validation_sums
+    from stages.pretrain.objectives import objective_for
+
+    cfg = debug(vocab_size=300)
+    pcfg = PretrainConfig(num_workers=1, micro_batch_size=4, train_batch_size=4, lr=1e-3, warmup_steps=0, max_steps=9)
+    objective = objective_for(pcfg)
+    engine = build(objective.build_model(cfg)[0], optim_spec(pcfg), seed=0)
+    masker = objective.masker(cfg.vocab_size, cfg.vocab_size - 1, (0, 1, 2, 3), torch.rand(cfg.vocab_size) < 0.5)
+    g = torch.Generator().manual_seed(0)
+
+    def batches(padded: bool = False) -> list[dict[str, torch.Tensor]]:
+        ids = torch.randint(5, cfg.vocab_size - 1, (4, 32), generator=g)  # (B, T)
+        if padded:
+            ids[0, 20:] = 0
+        return [{"input_ids": ids}]
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        assert compile_layers(engine.module, backend="eager") == cfg.num_hidden_layers
+        val = batches() + batches(padded=True)
+        validation_sums(engine, objective, masker, val)
+        train_step(engine, objective, masker, batches(), 0)
+        assert counters["frames"]["total"] == 2  # the eval graph and the train graph, shared by every layer
+        for step in range(1, 5):
+            train_step(engine, objective, masker, batches(padded=step == 2), step)
+        validation_sums(engine, objective, masker, val)
+        train_step(engine, objective, masker, batches(), 5)
+        assert counters["frames"]["total"] == 2
+    finally:
+        torch._dynamo.reset()
 
 
 def test_the_fused_backend_refuses_where_it_cannot_run():
