@@ -11,7 +11,7 @@ of their workdir, so each trains from scratch. Progress every `--log-interval` s
 
 Read from the run's own output: the tokens/s of every progress window (`step N/M ... tokens/s X`), and, with
 `TORCH_LOGS=recompiles` in the workers' environment, every recompilation torch.compile logs, with its reason and
-the window in which it arrived. Warm-up is everything before the first progress line (the validation pass at step
+the window in which it arrived (a floor: Ray folds a line repeated across workers into one). Warm-up is everything before the first progress line (the validation pass at step
 0 and the first steps, where the eval and train graphs compile): `warmup_s` is the time from the worker's first
 line to its first progress line, and `compile_warmup_s` that less the eager arm's (compiled cold: inductor's
 on-disk caches off, as on a fresh node). Writes

@@ -304,9 +304,11 @@ class PretrainConfig(Section):
     with fp32 master weights, gradients and gloo all-reduce) or "auto" (`training.precision.resolve`: bf16 on GPU,
     and on CPUs with native bf16 where bench/results/step_speed.json measured it faster)."""
     compile: bool = False
-    """`torch.compile` the model (DeepSpeed's `engine.compile()` under ZeRO). Off by default: on this project's
-    CPU it compiled for about 15 s per process and then stepped within run-to-run noise of eager
-    (bench/results/step_speed.json)."""
+    """`torch.compile` the encoder layers, on plain torch and under DeepSpeed alike (`deberta.model.compile_layers`):
+    each compiles once per mode (train, eval) in the first steps; the parts whose shapes follow the data (the MLM
+    targets, the EMD, the heads) stay eager. Off by default: every process pays a cold compilation first, and under
+    ZeRO-3 DeepSpeed's parameter hooks break each layer's graph (bench/results/compile_stage.json measures the
+    stage; docs/pretraining.md says where it pays)."""
     emd: bool = True
     """The enhanced mask decoder in the MLM (DeBERTa §3.2; the MLM objective and RTD's generator). false: the
     MLM head reads the backbone's last layer, as HF's DebertaV2ForMaskedLM does (continuing a checkpoint then
