@@ -9,7 +9,6 @@ import copy
 import math
 import os
 import re
-import sys
 import textwrap
 from pathlib import Path
 

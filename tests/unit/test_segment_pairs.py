@@ -2,7 +2,6 @@
 with the tokenizer's sentence ends, both segments are whole sentences and a window of one sentence is no pair."""
 
 import numpy as np
-import pytest
 
 from stages.segment_pairs import NO_PAIR, SentenceEnds, document_rng, segment_pairs
 
