@@ -322,6 +322,28 @@ def _tracker(mlflow_server, monkeypatch, tmp_path, name):
     return lineage.stage_run("finetune", name, {"finetune": {}}, {}, cached=False)
 
 
+def _sweep(cfg: FinetuneConfig, inputs: dict, name: str, tiny_pretrained, mlflow_server, monkeypatch, tmp_path):
+    """The finetune stage over `cfg.task` from `inputs` (the pretrain artifact, or an init directory), on a fresh
+    MLflow stage run: (result, task, out)."""
+    pre, _ = tiny_pretrained
+    tracker = _tracker(mlflow_server, monkeypatch, tmp_path, name)
+    task = resolve_task(cfg.task)
+    out = tmp_path / "out"
+    out.mkdir()
+    result = finetune.run(cfg, model=checkpoint.load_config(pre.path / "model"), inputs={**inputs, "task": task},
+                          out=out, ctx=_context(tmp_path, tracker, name))
+    return result, task, out
+
+
+def _champion(out: Path, task, cfg: FinetuneConfig):
+    """The saved champion (model/model.pt in its kind's head, eval mode) and the dev split as it encodes it."""
+    head = json.loads((out / "model" / "finetune.json").read_text())
+    model = task.kind.build_head(checkpoint.load_config(out / "model"), head["num_labels"], 0.0).eval()
+    model.load_state_dict(torch.load(out / "model" / "model.pt", weights_only=True))
+    _, dev = prepare_data(task, out / "model" / "tokenizer", cfg)
+    return model, dev, head
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_token_sweep_on_deepspeed_with_sift_registers_a_tagger_of_raw_text(tiny_pretrained, ray_local, mlflow_server,
@@ -333,27 +355,19 @@ def test_token_sweep_on_deepspeed_with_sift_registers_a_tagger_of_raw_text(tiny_
     import pandas as pd
     from transformers import AutoModelForTokenClassification
 
-    tracker = _tracker(mlflow_server, monkeypatch, tmp_path, "token-sweep")
     cfg = FinetuneConfig(task=str(tweet_names_conll), dropout=(0.0,), warmup_steps=(5,), lr=(3e-3,), batch_size=(32,),
                          epochs=2, max_seq_len=SEQ, doc_stride=8, max_concurrent_trials=1, trainer="deepspeed",
                          workers_per_trial=1, zero_stage=2, sift=True)
     pre, vocab = tiny_pretrained
-    task = resolve_task(cfg.task)
-    out = tmp_path / "out"
-    out.mkdir()
-    result = finetune.run(cfg, model=checkpoint.load_config(pre.path / "model"),
-                          inputs={"pretrain": pre, "vocab": vocab, "task": task}, out=out,
-                          ctx=_context(tmp_path, tracker, "token-sweep"))
+    result, task, out = _sweep(cfg, {"pretrain": pre, "vocab": vocab}, "token-sweep", tiny_pretrained, mlflow_server,
+                               monkeypatch, tmp_path)
     table = pd.read_csv(out / "results.csv")
     assert len(table) == 1 and {"dev_f1", "dev_precision", "dev_recall", "dev_accuracy"} <= set(table.columns)
     assert result.metrics["baseline"] == pytest.approx(kind_of("token").baseline(task)[0])
     # the saved champion scores the reported dev F1
-    head = json.loads((out / "model" / "finetune.json").read_text())
-    model = task.kind.build_head(checkpoint.load_config(out / "model"), head["num_labels"], 0.0).eval()
-    model.load_state_dict(torch.load(out / "model" / "model.pt", weights_only=True))
     from stages.finetune import trial as ft_trial
 
-    _, dev = prepare_data(task, out / "model" / "tokenizer", cfg)
+    model, dev, _ = _champion(out, task, cfg)
     assert ft_trial.evaluate(model, dev, task.kind, "cpu")["f1"] == pytest.approx(result.metrics["best_dev_f1"])
     # the export: transformers' own class, the task's tags, logits equal to ours
     exported = AutoModelForTokenClassification.from_pretrained(out / "hf").eval()
@@ -408,25 +422,17 @@ def test_span_sweep_v2_from_a_plain_transformers_directory(tiny_pretrained, ray_
     pre, vocab = tiny_pretrained
     hf_dir = _plain_transformers_directory(pre, vocab, tmp_path / "someone-elses-deberta")
     init = resolve_init(str(hf_dir), tmp_path)
-    tracker = _tracker(mlflow_server, monkeypatch, tmp_path, "span-sweep")
     cfg = FinetuneConfig(task=str(squad_dirs["2.0"]), dropout=(0.0,), warmup_steps=(2,), lr=(1e-3, 3e-3),
                          batch_size=(8,), epochs=2, max_seq_len=SEQ, doc_stride=8, scheduler="asha",
                          max_concurrent_trials=2)
-    task = resolve_task(cfg.task)
-    out = tmp_path / "out"
-    out.mkdir()
-    result = finetune.run(cfg, model=checkpoint.load_config(pre.path / "model"),
-                          inputs={"pretrain": init, "task": task}, out=out,
-                          ctx=_context(tmp_path, tracker, "span-sweep"))
+    result, task, out = _sweep(cfg, {"pretrain": init}, "span-sweep", tiny_pretrained, mlflow_server, monkeypatch,
+                               tmp_path)
     table = pd.read_csv(out / "results.csv")
     assert len(table) == 2 and {"dev_f1", "dev_exact", "dev_HasAns_f1", "dev_NoAns_f1"} <= set(table.columns)
-    head = json.loads((out / "model" / "finetune.json").read_text())
-    assert head["problem"] == "span" and head["options"] == {"version": "2.0"}
+    model, dev, head = _champion(out, task, cfg)
+    assert head["problem"] == "span" and head["options"] == {"version": "2.0"} and head["num_labels"] == 2
     exported = AutoModelForQuestionAnswering.from_pretrained(out / "hf").eval()
     assert exported.config.null_score_threshold == pytest.approx(head["trial"]["dev_null_threshold"])
-    model = task.kind.build_head(checkpoint.load_config(out / "model"), 2, 0.0).eval()
-    model.load_state_dict(torch.load(out / "model" / "model.pt", weights_only=True))
-    _, dev = prepare_data(task, out / "model" / "tokenizer", cfg)
     ids = torch.from_numpy(dev.ids[:4].astype(np.int64))
     with torch.no_grad():
         ours = model(ids)["logits"]
@@ -468,24 +474,16 @@ def test_choice_sweep_beats_the_majority_position_and_serves_what_it_measured(ti
     import pandas as pd
     from transformers import AutoModelForMultipleChoice
 
-    tracker = _tracker(mlflow_server, monkeypatch, tmp_path, "choice-sweep")
     cfg = FinetuneConfig(task="rotten-tomatoes-choice", dropout=(0.0,), warmup_steps=(10,), lr=(2e-3,),
                          batch_size=(16,), epochs=1, max_seq_len=SEQ, max_concurrent_trials=1, max_train_examples=640)
     pre, vocab = tiny_pretrained
-    task = resolve_task(cfg.task)
-    out = tmp_path / "out"
-    out.mkdir()
-    result = finetune.run(cfg, model=checkpoint.load_config(pre.path / "model"),
-                          inputs={"pretrain": pre, "vocab": vocab, "task": task}, out=out,
-                          ctx=_context(tmp_path, tracker, "choice-sweep"))
+    result, task, out = _sweep(cfg, {"pretrain": pre, "vocab": vocab}, "choice-sweep", tiny_pretrained, mlflow_server,
+                               monkeypatch, tmp_path)
     baseline = result.metrics["baseline"]
     assert baseline == pytest.approx(kind_of("choice").baseline(task)[0]) and baseline < 0.3
     assert result.metrics["best_dev_accuracy"] > baseline + 0.1, result.metrics
     # the export: transformers' multiple-choice class, logits equal to ours on dev questions
-    head = json.loads((out / "model" / "finetune.json").read_text())
-    model = task.kind.build_head(checkpoint.load_config(out / "model"), head["num_labels"], 0.0).eval()
-    model.load_state_dict(torch.load(out / "model" / "model.pt", weights_only=True))
-    _, dev = prepare_data(task, out / "model" / "tokenizer", cfg)
+    model, dev, _ = _champion(out, task, cfg)
     exported = AutoModelForMultipleChoice.from_pretrained(out / "hf").eval()
     ids = torch.from_numpy(dev.ids[:8].astype(np.int64))  # (8, 4, T)
     with torch.no_grad():
