@@ -179,18 +179,17 @@ def targets(offsets: np.ndarray, answers: tuple[tuple[str, int], ...]) -> tuple[
 
 def best_span(start: np.ndarray, end: np.ndarray, offsets: np.ndarray, max_answer_len: int
               ) -> tuple[float, int, int] | None:
-    """(score, first piece, last piece) of the best span of one row (BERT's n-best search), None if none fits."""
-    best = None
-    for s in np.argsort(start)[::-1][:N_BEST]:
-        if offsets[s, 0] < 0:
-            continue
-        for e in np.argsort(end)[::-1][:N_BEST]:
-            if offsets[e, 0] < 0 or e < s or e - s + 1 > max_answer_len:
-                continue
-            score = float(start[s] + end[e])
-            if best is None or score > best[0]:
-                best = (score, int(s), int(e))
-    return best
+    """(score, first piece, last piece) of the best span of one row (BERT's n-best search), None if none fits: the
+    N_BEST best starts against the N_BEST best ends, the first best pair in that order winning a tie."""
+    s = np.argsort(start)[::-1][:N_BEST]
+    e = np.argsort(end)[::-1][:N_BEST]
+    fits = ((offsets[s, 0] >= 0)[:, None] & (offsets[e, 0] >= 0)[None, :] & (e[None, :] >= s[:, None])
+            & (e[None, :] - s[:, None] + 1 <= max_answer_len))
+    if not fits.any():
+        return None
+    score = np.where(fits, start[s][:, None] + end[e][None, :], -np.inf)
+    i, j = divmod(int(np.argmax(score)), len(e))  # argmax: the first of equal scores, as the pairs are visited
+    return float(score[i, j]), int(s[i]), int(e[j])
 
 
 def answer_chars(context: str, start: int, end: int) -> tuple[int, int]:
