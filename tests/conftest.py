@@ -170,6 +170,49 @@ def mlflow_server(mlflow_server_process) -> str:
     return mlflow_server_process.uri
 
 
+@pytest.fixture(scope="session")
+def released_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """Checkpoints written by plain `transformers` (tests/released.py) sharing one real-text tokenizer: an MLM, a bare
+    DebertaV2Model and a 1-layer generator, as a user downloads them."""
+    from tests.released import released, spm_model
+
+    root = tmp_path_factory.mktemp("released")
+    spm_model(root)
+    return {"mlm": released(root, "mlm"), "model": released(root, "model", seed=1),
+            "generator": released(root, "mlm", layers=1, seed=2)}
+
+
+CONTINUE_TINY = ["--set", "tokenize.max_seq_len=64", "--set", "pretrain.warmup_steps=2", "--set", "pretrain.lr=1e-3",
+                 "--set", "pretrain.eval_batches=2", "--set", "pretrain.log_interval=4"]
+
+
+def continue_steps(n: int) -> list[str]:
+    """`--set`s of a continued-pretraining run of `n` steps, validated and checkpointed halfway and at the end."""
+    return [*CONTINUE_TINY, "--set", f"pretrain.max_steps={n}", "--set", f"pretrain.eval_interval={n // 2}",
+            "--set", f"pretrain.ckpt_interval={n // 2}"]
+
+
+@pytest.fixture(scope="session")
+def continued_mlm(released_checkpoints, news_subset, tmp_path_factory, mlflow_server):
+    """`python -m pipeline.run --until pretrain` continuing the released MLM on 300 real news articles for 12 steps,
+    registered on the session's MLflow server: (the finished process, its workdir, stage -> the artifact directory
+    it ran, the registry version of deberta-debug-pretrained). The one pretraining run through the entry point that
+    test_continue.py (what continuing takes from the checkpoint) and test_pipeline_cli.py (what a run registers, and
+    fine-tuning from that version) both read: a second run would show nothing the first does not."""
+    import re
+
+    workdir = tmp_path_factory.mktemp("continue-wd")
+    args = ["--corpus", str(news_subset(300)), "--workdir", str(workdir), "--set",
+            f"pretrain.init={released_checkpoints['mlm']}", *continue_steps(12), "--until", "pretrain"]
+    res = subprocess.run([sys.executable, "-m", "pipeline.run", *args], cwd=REPO, capture_output=True, text=True,
+                         env=dict(os.environ, MLFLOW_TRACKING_URI=mlflow_server), timeout=900)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    arts = {m.group(1): Path(m.group(2)) for m in re.finditer(r"^  (\w+) +\w+  \(ran\)  (\S+)$", res.stdout, re.M)}
+    version = re.search(r"registered deberta-debug-pretrained: version (\d+)", res.stdout)
+    assert version, res.stdout[-2000:]
+    return res, workdir, arts, version.group(1)
+
+
 @pytest.fixture
 def tracker(tmp_path):
     """An MLflow run in a throwaway sqlite store, for stage tests that log."""

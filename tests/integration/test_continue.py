@@ -13,14 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.released import released, spm_model
+from tests.conftest import continue_steps
 
 REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-TINY = ["--set", "tokenize.max_seq_len=64", "--set", "pretrain.warmup_steps=2", "--set", "pretrain.lr=1e-3",
-        "--set", "pretrain.eval_batches=2", "--set", "pretrain.log_interval=4"]
 
 
 def pipeline(args: list[str], uri: str, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -30,35 +27,8 @@ def pipeline(args: list[str], uri: str, timeout: int = 900) -> subprocess.Comple
     return res
 
 
-def steps(n: int) -> list[str]:
-    return [*TINY, "--set", f"pretrain.max_steps={n}", "--set", f"pretrain.eval_interval={n // 2}",
-            "--set", f"pretrain.ckpt_interval={n // 2}"]
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """Released directories sharing one real-text tokenizer: an MLM, a bare DebertaV2Model, a 1-layer generator."""
-    root = tmp_path_factory.mktemp("released")
-    spm_model(root)
-    return {"mlm": released(root, "mlm"), "model": released(root, "model", seed=1),
-            "generator": released(root, "mlm", layers=1, seed=2)}
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("continue-wd")
-
-
-@pytest.fixture(scope="module")
-def mlm_run(checkpoints, news_subset, workdir, mlflow_server):
-    """The MLM checkpoint continued on 300 news articles for 12 steps (fine-tuning what pretraining wrote is the
-    same whether it continued or not: tests/integration/test_pipeline_cli.py)."""
-    args = ["--corpus", str(news_subset(300)), "--workdir", str(workdir), "--set",
-            f"pretrain.init={checkpoints['mlm']}", *steps(12), "--until", "pretrain"]
-    res = pipeline(args, mlflow_server)
-    arts = {m.group(1): Path(m.group(2)) for m in re.finditer(r"^  (\w+) +\w+  \(ran\)  (\S+)$", res.stdout, re.M)}
-    version = re.search(r"registered deberta-debug-pretrained: version (\d+)", res.stdout).group(1)
-    return res, arts, version
+# The MLM continued from the released checkpoint for 12 steps is the session's `continued_mlm` (tests/conftest.py):
+# test_pipeline_cli.py reads the same run for what the entry point registers and for fine-tuning from it.
 
 
 def released_loss(checkpoint: Path, arts: dict[str, Path]) -> float:
@@ -90,14 +60,15 @@ def released_loss(checkpoint: Path, arts: dict[str, Path]) -> float:
     return total / count
 
 
-def test_mlm_continues_the_released_checkpoint(checkpoints, mlm_run, mlflow_server):
+def test_mlm_continues_the_released_checkpoint(released_checkpoints, continued_mlm, mlflow_server):
     """Weights, head and tokenizer all taken (the step-0 loss equals transformers' own on the same masked batches),
     the validation loss falls, hf/ loads in transformers, and the registry version traces back to corpus and
     checkpoint."""
     import mlflow
     from transformers import AutoModelForMaskedLM, AutoTokenizer
 
-    res, arts, version = mlm_run
+    checkpoints = released_checkpoints
+    res, _, arts, version = continued_mlm
     assert "(the tokenizer of pretrain.init)" in res.stdout and "lm_head loaded" in res.stdout
     vocab = arts["vocab"]
     assert (vocab / "spm.model").read_bytes() == (checkpoints["mlm"] / "spm.model").read_bytes()
@@ -131,16 +102,17 @@ def drift(ours: dict, theirs: dict, keys) -> float:
 # GDES's E_G + E_delta is the released table, and under ZeRO-3); the run below takes the other road, a registry
 # version with no generator, through the whole pipeline.
 
-def test_rtd_from_a_registry_version_derives_its_generator(checkpoints, mlm_run, news_subset, workdir, mlflow_server):
+def test_rtd_from_a_registry_version_derives_its_generator(released_checkpoints, continued_mlm, news_subset,
+                                                           mlflow_server):
     """RTD continued from `models:/deberta-debug-pretrained/N` for 4 steps: the discriminator starts from the
     version's weights, the generator is derived from them (its one layer the discriminator's first, DeBERTaV3's half
     depth) and GDES starts at E_delta = 0 (E_G = E_D). Read from the artifact's tensors: 4 AdamW steps at lr <= 1e-3
     move an entry by at most ~4e-3, so each starting point is within 0.01 of where it came from, while weights of
     another origin (the released checkpoints' random init, std 0.02) are 0.05 and more away."""
-    _, arts, version = mlm_run
+    _, workdir, arts, version = continued_mlm
     uri = f"models:/deberta-debug-pretrained/{version}"
     res = pipeline(["--corpus", str(news_subset(300)), "--workdir", str(workdir), "--set", "pretrain.objective=rtd",
-                    "--set", f"pretrain.init={uri}", *steps(4), "--until", "pretrain"], mlflow_server)
+                    "--set", f"pretrain.init={uri}", *continue_steps(4), "--until", "pretrain"], mlflow_server)
     ran = {m.group(1): Path(m.group(2)) for m in re.finditer(r"^  (\w+) +\w+  \(ran\)  (\S+)$", res.stdout, re.M)}
     out, start = ran["pretrain"], hf_weights(arts["pretrain"] / "hf")
     disc, gen = hf_weights(out / "hf"), hf_weights(out / "generator")
@@ -150,7 +122,7 @@ def test_rtd_from_a_registry_version_derives_its_generator(checkpoints, mlm_run,
     assert not any(k.startswith("encoder.layer.1.") for k in gen), sorted(gen)[:5]  # one layer of two
     assert drift(gen, start, first) < 0.01, "the generator is not the version's lower layer"
     assert drift(gen, disc, {"embeddings.word_embeddings.weight"}) < 0.01  # E_G = E_D at the start: E_delta = 0
-    assert drift(start, hf_weights(checkpoints["model"]), layers) > 0.05  # the bound tells origins apart
+    assert drift(start, hf_weights(released_checkpoints["model"]), layers) > 0.05  # the bound tells origins apart
 
 
 # ------------------------------------------------------------------------------------------------------ refusals
@@ -184,10 +156,10 @@ def _long_tokenizer(checkpoints, tmp):
     (lambda c, tmp: ["--preset", "deberta-v3-base-continue"], "preset deberta-v3-base-continue continues"),
 ], ids=["not-deberta", "tokenizer-longer-than-rows", "generator-width", "unknown-version", "shape-override",
         "continue-preset-without-init"])
-def test_bad_init_is_one_message_before_ray(make, fragment, checkpoints, tmp_path, capsys):
+def test_bad_init_is_one_message_before_ray(make, fragment, released_checkpoints, tmp_path, capsys):
     from pipeline.run import main
 
-    args = make(checkpoints, tmp_path)
+    args = make(released_checkpoints, tmp_path)
     capsys.readouterr()  # what making the input printed
     assert main([*args, "--workdir", str(tmp_path / "wd")]) == 2
     out, err = capsys.readouterr()

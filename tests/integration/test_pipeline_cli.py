@@ -265,10 +265,6 @@ def test_dry_run_days_are_the_papers_schedule_at_the_stated_throughput(tmp_path)
 
 # ----------------------------------------------------------------------------------------------- registry versions
 
-TINY_PRETRAIN = [a for s in ("pretrain.num_workers=1", "pretrain.micro_batch_size=8", "pretrain.train_batch_size=8",
-                             "pretrain.max_steps=2", "pretrain.warmup_steps=1", "pretrain.eval_interval=2",
-                             "pretrain.eval_batches=1", "pretrain.ckpt_interval=2", "pretrain.log_interval=1")
-                 for a in ("--set", s)]
 TINY_FINETUNE = [a for s in ("finetune.dropout=0.0", "finetune.warmup_steps=1", "finetune.lr=1e-3",
                              "finetune.batch_size=16", "finetune.epochs=1", "finetune.max_seq_len=64",
                              "finetune.max_train_examples=64", "finetune.max_concurrent_trials=1", "ray.num_cpus=2",
@@ -282,25 +278,12 @@ def _summary(stdout: str) -> dict[str, tuple[str, str]]:
     return {s: (art, how) for s, art, how in re.findall(r"^  (\w+)\s+([0-9a-f]{16})  \((\w+)\)", tail, re.M)}
 
 
-@pytest.fixture(scope="module")
-def pretrained_run(two_runs, small_corpus, mlflow_server):
-    """The debug MLM pretrained for 2 steps by `python -m pipeline.run --until pretrain` on two_runs' workdir (its
-    corpus, vocab and tokenize artifacts are reused), registered on the session's MLflow server:
-    (workdir, stage -> (artifact id, how) from the run's summary, registry version)."""
-    workdir = two_runs[0]
-    data = [a for a in SMALL if a not in ("--until", "tokenize")]
-    res = pipeline(["--corpus", str(small_corpus), "--workdir", str(workdir), *data, *TINY_PRETRAIN,
-                    "--until", "pretrain"], {"MLFLOW_TRACKING_URI": mlflow_server})
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    version = re.search(r"registered deberta-debug-pretrained: version (\d+)", res.stdout)
-    assert version, res.stdout[-2000:]
-    return workdir, _summary(res.stdout), version.group(1)
-
-
-def test_pretrained_version_is_the_runs_artifacts_and_fills_masks(pretrained_run, mlflow_server, monkeypatch):
-    """The registry version the pretrain stage registers, from the entry point: its lineage tags are the artifact
-    ids the run planned and built (the directories on disk), and `mlflow.pyfunc` answers fill-mask with what the
-    artifact's own model computes (tests/integration/mlflow_serve.py: fill_mask_reference)."""
+def test_pretrained_version_is_the_runs_artifacts_and_fills_masks(continued_mlm, mlflow_server, monkeypatch):
+    """The registry version the pretrain stage registers, from the entry point (the session's `continued_mlm`: a run
+    from a corpus file to a pretrained model, continuing a released checkpoint): its lineage tags are the artifact
+    ids the run planned and built (the directories on disk; where it started from, the `init.*` tags, is
+    test_continue.py's), and `mlflow.pyfunc` answers fill-mask with what the artifact's own model computes
+    (tests/integration/mlflow_serve.py: fill_mask_reference)."""
     import mlflow
     import pandas as pd
     from mlflow.tracking import MlflowClient
@@ -310,15 +293,16 @@ def test_pretrained_version_is_the_runs_artifacts_and_fills_masks(pretrained_run
     from core.tokenizer import Tokenizer
     from tests.integration.mlflow_serve import fill_mask_reference
 
-    workdir, stages, version = pretrained_run
-    assert {s: how for s, (_, how) in stages.items()} == {"corpus": "cached", "vocab": "cached",
-                                                          "tokenize": "cached", "pretrain": "ran"}, stages
+    res, workdir, _, version = continued_mlm
+    stages = _summary(res.stdout)
+    assert {s: how for s, (_, how) in stages.items()} == {s: "ran" for s in ("corpus", "vocab", "tokenize",
+                                                                              "pretrain")}, stages
     ids = {s: art for s, (art, _) in stages.items()}
     for stage, art in ids.items():
         assert (workdir / "artifacts" / stage / art / "_SUCCESS").is_file(), stage
     client = MlflowClient(mlflow_server)
     mv = client.get_model_version("deberta-debug-pretrained", version)
-    assert mv.tags == {**ids, "objective": "mlm"}
+    assert {k: v for k, v in mv.tags.items() if not k.startswith("init.")} == {**ids, "objective": "mlm"}
     assert client.get_run(mv.run_id).data.tags["pipeline.artifact_id"] == ids["pretrain"]
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
@@ -334,7 +318,7 @@ def test_pretrained_version_is_the_runs_artifacts_and_fills_masks(pretrained_run
     assert filled["score"].tolist() == pytest.approx(probs, abs=1e-5)
 
 
-def test_finetunes_from_the_pretrained_registry_version(pretrained_run, mlflow_server, tmp_path):
+def test_finetunes_from_the_pretrained_registry_version(continued_mlm, mlflow_server, tmp_path):
     """`python -m pipeline.run --pretrained models:/deberta-debug-pretrained/N` in a fresh workdir: the version's
     export is downloaded byte for byte (the pretrain artifact's hf/) and fine-tuned alone, on the version's
     architecture (not the debug preset's); the stage's run logs the version as its input, a registry source, and the
@@ -343,14 +327,14 @@ def test_finetunes_from_the_pretrained_registry_version(pretrained_run, mlflow_s
 
     from deberta import checkpoint
 
-    workdir, stages, version = pretrained_run
+    _, _, arts, version = continued_mlm
     uri = f"models:/deberta-debug-pretrained/{version}"
     res = pipeline(["--pretrained", uri, "--workdir", str(tmp_path / "wd"), *TINY_FINETUNE],
                    {"MLFLOW_TRACKING_URI": mlflow_server})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     ran = _summary(res.stdout)
     assert list(ran) == ["finetune"] and ran["finetune"][1] == "ran", res.stdout[-2000:]
-    pretrained = workdir / "artifacts" / "pretrain" / stages["pretrain"][0]
+    pretrained = arts["pretrain"]
     finetuned = tmp_path / "wd" / "artifacts" / "finetune" / ran["finetune"][0] / "model"
     assert checkpoint.load_config(finetuned) == checkpoint.load_config(pretrained / "model")
 
