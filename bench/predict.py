@@ -253,10 +253,16 @@ def main() -> None:
     ap.add_argument("--scaling", action="store_true", help="only the end-to-end runs: 1 and 2 actors interleaved, "
                                                           "--repeats times per --e2e-batches size")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ceiling", action="store_true", help="only 1 and 2 one-thread processes without Ray (the actor's "
+                    "work and plain matmuls): the most 2 actors can get over 1 on this machine "
+                    "(bench/results/predict_ceiling.json)")
+    ap.add_argument("--ceiling-rows", type=int, default=4_000, help="reviews per process of --ceiling")
     ap.add_argument("--e2e-batches", type=comma_ints, default=(256,), help="actor batch sizes of --scaling")
     args = ap.parse_args()
     if args.scaling:
         return scaling(args)
+    if args.ceiling:
+        return ceiling(args)
     args.json = args.json or RESULTS / "predict.json"
     import torch
 
@@ -338,6 +344,84 @@ def scaling(args) -> None:
               "size": "debug", "load_average": load_average(), "cpus": os.cpu_count(), "summary": summary,
               "runs": runs}
     emit(report, args.json or RESULTS / "predict_scaling.json", "\n".join(lines))
+
+
+def _ceiling_job(hf_dir: str, rows: int, batch: int, start_at: float, work: str) -> dict:
+    """One process of `ceiling` (one torch thread): the actor's own work on `rows` reviews (`work` "predict"), or a
+    fixed run of `rows` one-thread matmuls at the debug model's FFN shape ("matmul"), timed from the wall-clock instant
+    `start_at` (after the model is loaded and one batch warmed up, so side-by-side processes overlap)."""
+    import torch
+
+    if work == "predict":
+        import pyarrow as pa
+
+        from pipeline.predict import resolve_model
+        from pipeline.predictor import REASON, Predictor
+
+        ref, inputs, _, _ = resolve_model(hf_dir, str(Path(hf_dir).parent / f"cache-{os.getpid()}"))
+        ref = ref.__class__(**{**ref.__dict__, "columns": tuple((c, c) for c in inputs), "threads": 1})
+        actor, columns = Predictor(ref), texts_of("sequence", rows)
+        table = pa.table({"row_id": [str(i) for i in range(rows)], "source": ["bench"] * rows,
+                          "index": list(range(rows)), **columns, REASON: pa.nulls(rows, pa.string())})
+        actor(table.slice(0, batch))  # warm-up
+
+        def run() -> None:
+            for s in range(0, rows, batch):
+                actor(table.slice(s, min(batch, rows - s)))
+    else:
+        torch.set_num_threads(1)
+        a, b = torch.randn(64 * MAX_LEN, 64), torch.randn(64, 256)  # 64 rows of the FFN's first matmul
+
+        def run() -> None:
+            for _ in range(rows):
+                a @ b
+    time.sleep(max(0.0, start_at - time.time()))
+    start, cpu = time.time(), time.process_time()
+    run()
+    end = time.time()
+    return {"start": start, "end": end, "wall_s": end - start, "cpu_s": time.process_time() - cpu}
+
+
+def ceiling(args) -> None:
+    """What two one-thread processes get on this machine against one, without Ray: the actor's own work (the debug
+    sequence model over the same reviews, `Predictor` as pipeline.predict's actors run it) and plain matmuls, alone
+    and two side by side, interleaved `--repeats` times. 2 x rows / (the pair's span) over one process's rows/s is
+    the most 2 actors can get over 1 here, whatever Ray does."""
+    import statistics
+
+    from bench.common import process_pool
+
+    root = Path(tempfile.mkdtemp(prefix="bench-predict-ceiling-"))
+    hf_dir = str(build_models(root, ["debug"])["sequence", "debug"])
+    work_rows = {"predict": args.ceiling_rows, "matmul": args.ceiling_rows}
+    runs, lines = [], ["| work | processes | rows/s (all processes) | wall s | CPU s per process |", "|---|---|---|---|---|"]
+    for rep in range(args.repeats):
+        for work, rows in work_rows.items():
+            for procs in (1, 2):
+                with process_pool(procs, 1) as pool:
+                    start_at = time.time() + 20  # after every process has loaded its model
+                    jobs = [pool.submit(_ceiling_job, hf_dir, rows, args.batch, start_at, work) for _ in range(procs)]
+                    done = [j.result() for j in jobs]
+                span = max(d["end"] for d in done) - min(d["start"] for d in done)
+                overlap = min(d["end"] for d in done) - max(d["start"] for d in done)
+                run = {"work": work, "processes": procs, "rows": rows * procs, "span_s": round(span, 2),
+                       "overlap_of_span": round(overlap / span, 3), "rows_per_s": round(rows * procs / span, 1),
+                       "cpu_s": [round(d["cpu_s"], 2) for d in done], "repeat": rep}
+                runs.append(run)
+                lines.append(f"| {work} | {procs} | {run['rows_per_s']:.1f} | {span:.1f} | "
+                             f"{', '.join(f'{c:.1f}' for c in run['cpu_s'])} |")
+                print(lines[-1], flush=True)
+    summary = {}
+    for work in work_rows:
+        rate = {n: [r["rows_per_s"] for r in runs if r["work"] == work and r["processes"] == n] for n in (1, 2)}
+        summary[work] = {"median_rows_per_s_1": statistics.median(rate[1]),
+                         "median_rows_per_s_2": statistics.median(rate[2]),
+                         "two_over_one": round(statistics.median(rate[2]) / statistics.median(rate[1]), 2),
+                         "two_over_one_pairs": [round(b / a, 2) for a, b in zip(rate[1], rate[2])]}
+    report = {"bench": "predict_ceiling", "command": command_line(), "kind": "sequence", "size": "debug",
+              "batch": args.batch, "load_average": load_average(), "cpus": os.cpu_count(), "summary": summary,
+              "runs": runs}
+    emit(report, args.json or RESULTS / "predict_ceiling.json", "\n".join(lines))
 
 
 def _hf_config(hf_dir: Path):
