@@ -399,7 +399,7 @@ def ceiling(args) -> None:
         for work, rows in work_rows.items():
             for procs in (1, 2):
                 with process_pool(procs, 1) as pool:
-                    start_at = time.time() + 20  # after every process has loaded its model
+                    start_at = time.time() + 12  # after every process has loaded its model (~3 s)
                     jobs = [pool.submit(_ceiling_job, hf_dir, rows, args.batch, start_at, work) for _ in range(procs)]
                     done = [j.result() for j in jobs]
                 span = max(d["end"] for d in done) - min(d["start"] for d in done)
