@@ -1,8 +1,11 @@
 """ZeRO-3 construction (`training.engine.construct` inside `deepspeed.zero.Init`): on 2 CPU gloo ranks a
-rank that builds a model of >= 300M parameters never holds the whole model, and the run still trains (one AdamW
-step through `training.engine.deepspeed_engine`, the engine `build` makes). That such a run's ZeRO-3 checkpoint
-consolidates into the full model is the pretraining stage's own test
-(tests/integration/test_pretrain.py::test_zero3_survives_worker_loss_and_stage_restart)."""
+rank that builds a model of >= 300M parameters never holds the whole model, and the engine `build` makes around it
+(`training.engine.deepspeed_engine`) computes a freshly initialised model's loss. That a model built this way trains
+is shown at the smallest size that shows it: AdamW steps equal to plain torch's (tests/unit/test_rtd.py,
+test_albert.py and test_checkpointing.py, ZeRO-3 on 2 gloo ranks), the stage's 60 steps and restarts, and that its
+ZeRO-3 checkpoint consolidates into the full model
+(tests/integration/test_pretrain.py::test_zero3_survives_worker_loss_and_stage_restart); a backward and a step of
+the 300M model here would add a third of this test's time and show nothing those do not."""
 
 from __future__ import annotations
 
@@ -51,28 +54,24 @@ def _trim_heap() -> None:
     heap_trimmer()()
 
 
-def _step(engine, rank: int) -> dict[str, float]:
-    """One MLM step on a 16-token row (targets every 4th token) that differs per rank: its loss, and what the
+def _forward(engine, rank: int) -> dict[str, float]:
+    """One MLM forward on a 16-token row (targets every 4th token) that differs per rank: its loss, and what the
     fresh model's logits at the targets look like (in float64)."""
     g = torch.Generator().manual_seed(rank)
     ids = torch.randint(5, MODEL.vocab_size, (1, 16), generator=g)  # (B, T)
     labels = torch.full_like(ids, -100)
     labels[:, 1::4] = ids[:, 1::4]
-    out = engine(ids, torch.ones_like(ids), labels)
-    z = out["logits"].detach().double()  # (M, V) at the targets, row-major
+    with torch.no_grad():
+        out = engine(ids, torch.ones_like(ids), labels)
+    z = out["logits"].double()  # (M, V) at the targets, row-major
     at_target = z.gather(1, labels[labels != -100].view(-1, 1)).view(-1)  # (M,)
     lse = torch.logsumexp(z, -1)  # (M,)
-    stats = {"loss": float(out["loss"]), "targets": z.shape[0], "cross_entropy": float((lse - at_target).mean()),
-             "logit_std": float(z.std()), "logsumexp": float(lse.mean()), "target_logit": float(at_target.mean())}
-    _trim_heap()
-    engine.backward(out["loss"])
-    _trim_heap()
-    engine.step()
-    return stats
+    return {"loss": float(out["loss"]), "targets": z.shape[0], "cross_entropy": float((lse - at_target).mean()),
+            "logit_std": float(z.std()), "logsumexp": float(lse.mean()), "target_logit": float(at_target.mean())}
 
 
 def zero_init_run(out: str) -> None:
-    """One rank: the model built by `construct` (its peak RSS rise recorded), one step, gathered values after it."""
+    """One rank: the model built by `construct` (its peak RSS rise recorded), its engine's forward, gathered values."""
     import deepspeed
 
     from bench import memory
@@ -91,22 +90,20 @@ def zero_init_run(out: str) -> None:
               "held": sum(p.ds_tensor.numel() for p in model.parameters())}
     engine = deepspeed_engine(model, OptimSpec(lr=LR, warmup_steps=0, total_steps=10), ds_config)
     _trim_heap()
-    report.update(_step(engine, rank))
+    report.update(_forward(engine, rank))
     named = dict(model.named_parameters())
     report["shapes"] = {k: list(p.ds_shape) for k, p in named.items()}  # the full shape each shard stands for
     layer = "deberta.encoder.layer.3."
     dense, gain = named[layer + "intermediate.dense.weight"], named[layer + "output.LayerNorm.weight"]
     with deepspeed.zero.GatheredParameters([dense, gain]):
-        moved = (gain.detach() - 1).abs()  # LayerNorm gains start at exactly 1
-        report.update(dense_std=float(dense.detach().std()), gain_max=float(moved.max()),
-                      gain_mean=float(moved.mean()))
+        report.update(dense_std=float(dense.detach().std()), gain_ones=bool((gain.detach() == 1).all()))
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(report))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
 def _check_fresh_init_loss(report: dict) -> None:
-    """The first step's loss is a fresh model's. The tied decoder's entries are N(0, 0.02^2) (initializer_range) and
+    """The forward's loss is a fresh model's. The tied decoder's entries are N(0, 0.02^2) (initializer_range) and
     the head's LayerNorm leaves a state of norm sqrt(H), so the logits are ~N(0, s0^2), s0 = 0.02 sqrt(1536) = 0.78
     (a plain model: 0.786), and loss = ln V + (logsumexp - ln V) - (mean target logit) = ln(8000) + s0^2 / 2 - (the
     mean of M draws of N(0, s0^2)) = 9.30 +- s0 / sqrt(M). Each term is checked: the loss is the cross-entropy of
@@ -122,11 +119,11 @@ def _check_fresh_init_loss(report: dict) -> None:
 
 
 @pytest.mark.slow
-def test_zero3_rank_builds_a_300m_model_without_holding_it_whole_then_trains(tmp_path):
+def test_zero3_rank_builds_a_300m_model_without_holding_it_whole_and_computes_a_fresh_loss(tmp_path):
     """Each rank's peak RSS rise while `construct` builds the model stays well below the model's fp32 size: its own
-    shards are 0.5x, and the build adds one module at a time (measured 0.59-0.63x). After one step every parameter stands for its full shape, initialised on gathered
-    modules (linear weights std 0.02: N(0, 0.02), not nn.Linear's own kaiming init, std 0.0147) and updated by
-    AdamW (LayerNorm gains moved off 1 by at most lr)."""
+    shards are 0.5x, and the build adds one module at a time (measured 0.59-0.63x). Every parameter stands for its
+    full shape, initialised on gathered modules (linear weights std 0.02: N(0, 0.02), not nn.Linear's own kaiming
+    init, std 0.0147; LayerNorm gains exactly 1), and the engine's forward gives a fresh model's loss."""
     import deepspeed  # noqa: F401  (a promised dependency: missing is an error, not a skip)
     from tests.conftest import run_gloo_ranks
 
@@ -147,4 +144,4 @@ def test_zero3_rank_builds_a_300m_model_without_holding_it_whole_then_trains(tmp
     for report in reports:
         assert report["shapes"] == shapes
         assert report["dense_std"] == pytest.approx(MODEL.initializer_range, abs=5e-4)
-        assert report["gain_max"] <= LR * 1.01 and report["gain_mean"] > LR / 2
+        assert report["gain_ones"]
