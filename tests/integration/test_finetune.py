@@ -329,10 +329,12 @@ def test_sift_changes_the_loss_and_still_trains(tiny_pretrained, task_name):
     with_sift, term = ft_trial.train_step(model, batch, cfg.sift_lambda)
     assert term > 0 and float(with_sift.detach()) == pytest.approx(float(plain.detach()) + term, rel=1e-5)
 
-    model.train()  # 8 epochs over 128 examples with the SiFT term on: the total loss must fall
+    # epochs over 128 examples with the SiFT term on: the total loss must fall by 15% within 8 (it stops once it has:
+    # Lee's similarity scores after 2, the reviews' labels after 8)
+    model.train()
     opt, _ = make_optimizer(model, OptimSpec(lr=1e-3, warmup_steps=0, total_steps=10**9))
     epochs, terms = [], []
-    for epoch in range(8):
+    while len(epochs) < 8 and not (len(epochs) > 1 and epochs[-1] < 0.85 * epochs[0]):
         losses = []
         for start in range(0, 128, 32):
             batch = ft_trial._batch(train, np.arange(start, start + 32), "cpu", task.kind)
