@@ -7,6 +7,7 @@ trained for a few hundred plain-torch steps on the same text, saved in the pretr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -267,34 +268,29 @@ def _plain_transformers_directory(pre: Artifact, vocab: Artifact, out: Path) -> 
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_finetunes_a_plain_transformers_directory(tiny_pretrained, tmp_path):
+def test_finetunes_a_plain_transformers_directory(tiny_pretrained, sweep_killed_and_resumed):
     """`python -m pipeline.run --pretrained DIR` on an HF DeBERTa-v2 directory written by plain `transformers`
     (holding the tiny pretrained MLM): the plan is the finetune stage alone on the directory's architecture, no
     pretrain or vocab artifact; the fine-tuned backbone is the directory's weights, moved a little by training (a
     short run at a small lr: that the checkpoint learns is the sweep tests' business), and the registry version
-    names the directory and its digest."""
+    names the directory and its digest. The run is the driver-kill test's (`sweep_killed_and_resumed`): its
+    second attempt, which finished the sweep, is read here."""
+    from itertools import takewhile
+
     import pandas as pd
     from mlflow.tracking import MlflowClient
     from safetensors.torch import load_file
 
-    pre, vocab = tiny_pretrained
-    hf_dir = _plain_transformers_directory(pre, vocab, tmp_path / "someone-elses-deberta")
-    wd = tmp_path / "wd"
-    point = {"dropout": "0.0", "warmup_steps": "1", "lr": "1e-4", "batch_size": "16", "epochs": "1",
-             "max_seq_len": str(SEQ), "max_train_examples": "64", "max_concurrent_trials": "1"}
-    sets = [*(f"finetune.{k}={v}" for k, v in point.items()), "ray.num_cpus=2", "ray.dashboard=false"]
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
-    res = subprocess.run([sys.executable, "-m", "pipeline.run", "--pretrained", str(hf_dir), "--workdir", str(wd),
-                          *[a for s in sets for a in ("--set", s)]], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=900)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    plan = [ln.split() for ln in res.stdout.split("plan:")[1].splitlines()[1:] if ln.startswith("  ")]
-    assert plan[0][0] == "finetune" and not any(r[0] in ("corpus", "vocab", "pretrain") for r in plan), res.stdout
+    pre, _ = tiny_pretrained
+    run = sweep_killed_and_resumed
+    hf_dir, wd, stdout = run.hf_dir, run.wd, run.second.stdout
+    plan = [ln.split() for ln in takewhile(lambda ln: ln.startswith("  "), stdout.split("plan:\n", 1)[1].splitlines())]
+    assert plan[0][0] == "finetune" and not any(r[0] in ("corpus", "vocab", "pretrain") for r in plan), stdout
     (art,) = (wd / "artifacts" / "finetune").iterdir()
     assert checkpoint.load_config(art / "model") == checkpoint.load_config(pre.path / "model")  # its architecture
-    assert len(pd.read_csv(art / "results.csv")) == 1 and (art / "hf" / "model.safetensors").is_file()
-    # 4 AdamW steps at lr <= 1e-4 move an entry by at most ~4e-4: a few % of these weights; a backbone that did not
-    # start from the directory (a fresh init) would be as far from it as the weights are large (~140%)
+    assert len(pd.read_csv(art / "results.csv")) == 2 and (art / "hf" / "model.safetensors").is_file()
+    # 16 AdamW steps at lr <= 2e-5 move an entry by at most ~3e-4: a few % of these weights; a backbone that did
+    # not start from the directory (a fresh init) would be as far from it as the weights are large (~140%)
     given, tuned = load_file(hf_dir / "model.safetensors"), torch.load(art / "model" / "model.pt", weights_only=True)
     for key in ("deberta.embeddings.word_embeddings.weight", "deberta.encoder.layer.0.attention.self.query_proj.weight",
                 "deberta.encoder.layer.2.output.dense.weight"):
@@ -477,7 +473,7 @@ def test_deepspeed_sweep_zero3_two_workers_with_sift(tiny_pretrained, ray_local,
 # ----------------------------------------------------------------------------------------------- faults
 
 FAULT_GRID = dict(task="rotten-tomatoes", dropout=(0.0,), warmup_steps=(10,), lr=(1e-3, 2e-3), batch_size=(32,),
-                  epochs=2, max_seq_len=SEQ, max_train_examples=512)
+                  epochs=2, max_seq_len=SEQ, max_train_examples=256)
 
 
 def _progress(exp_dir: Path) -> dict[str, "pd.DataFrame"]:
@@ -564,37 +560,52 @@ def _experiment_state(fs, exp_dir: str) -> dict[str, str]:
     return {t["trial_id"]: t["status"] for t in (json.loads(state) for state, _ in trials)}
 
 
-@pytest.mark.ray
-@pytest.mark.slow
-def test_sweep_resumes_after_its_driver_is_killed(tiny_pretrained, s3_server, tmp_path):  # noqa: F811
-    """`python -m pipeline.run` killed with everything it started (its own PID namespace) once one trial of two has
-    finished, then run again: the Tune experiment is restored, the finished trial is not run again, the other
-    continues, and each trial has exactly one MLflow run, under the stage run that finished the sweep. A newer
-    experiment state cut short, as a driver killed while Tune copies it leaves it, is set aside, not read. Tune's
-    storage is in a bucket (`ray.storage_path=s3://...`), as on a cluster: the restore reads it from there."""
-    import subprocess
-    import sys
+DRIVER_KILL_GRID = {**FAULT_GRID, "lr": (1e-5, 2e-5)}
+"""Two grid points at a small lr: the resumed sweep is also `test_finetunes_a_plain_transformers_directory`'s run,
+whose backbone must stay near the directory's weights."""
 
-    import pandas as pd
+
+@dataclasses.dataclass(frozen=True)
+class KilledAndResumed:
+    """What `sweep_killed_and_resumed` did and saw."""
+
+    hf_dir: Path
+    """The `--pretrained` directory (written by plain transformers)."""
+    wd: Path
+    fs: "pafs.FileSystem"
+    exp: str
+    """The Tune experiment in the bucket."""
+    states: dict[str, str]
+    """trial id -> status in the experiment state when the first attempt was killed."""
+    before: dict[str, "pd.DataFrame"]
+    """trial id -> its progress.csv rows in the bucket after the kill."""
+    cut: str
+    """The cut-short experiment state planted before the second attempt."""
+    state: bytes
+    """The whole state it is half of."""
+    second: subprocess.CompletedProcess
+    after: dict[str, "pd.DataFrame"]
+    """trial id -> its progress.csv rows in the bucket after the second attempt."""
+
+
+@pytest.fixture(scope="module")
+def sweep_killed_and_resumed(tiny_pretrained, s3_server, tmp_path_factory) -> KilledAndResumed:  # noqa: F811
+    """`python -m pipeline.run --pretrained DIR` (DIR written by plain transformers, Tune's storage in a bucket)
+    killed with everything it started (its own PID namespace) once one trial of two has finished; a newer experiment
+    state cut short planted beside the one it left; then the same command again, to its end."""
     import pyarrow.fs as pafs
-    from mlflow.tracking import MlflowClient
-
-    from deberta import hf
-    from deberta.model import DebertaForMaskedLM
 
     pre, vocab = tiny_pretrained
-    mlm = DebertaForMaskedLM(checkpoint.load_config(pre.path / "model"))
-    checkpoint.load_into(mlm, pre.path / "model")
-    hf_dir = hf.save_pretrained(mlm, tmp_path / "tiny-hf", vocab_dir=vocab.path)
+    tmp_path = tmp_path_factory.mktemp("driver-kill")
+    hf_dir = _plain_transformers_directory(pre, vocab, tmp_path / "someone-elses-deberta")
     wd, fs, sweeps = tmp_path / "wd", s3_server.filesystem(), f"{s3_server.bucket}/sweeps"
-    sets = [f"finetune.{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in FAULT_GRID.items()]
+    sets = [f"finetune.{k}={','.join(map(str, v)) if isinstance(v, tuple) else v}" for k, v in DRIVER_KILL_GRID.items()]
     sets += ["ray.num_cpus=2", "ray.dashboard=false", "finetune.max_concurrent_trials=1",
              f"ray.storage_path=s3://{sweeps}"]
     cmd = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-m", "pipeline.run",
            "--pretrained", str(hf_dir), "--workdir", str(wd), *[a for s in sets for a in ("--set", s)]]
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     env.update(s3_server.env, TUNE_GLOBAL_CHECKPOINT_S="1")  # the driver saves its state at most a second stale
-    repo = Path(__file__).resolve().parents[2]
 
     def experiments() -> list[str]:
         return [i.path for i in fs.get_file_info(pafs.FileSelector(sweeps, allow_not_found=True))
@@ -606,7 +617,7 @@ def test_sweep_resumes_after_its_driver_is_killed(tiny_pretrained, s3_server, tm
         return _progress(tmp_path / name)
 
     with open(tmp_path / "first.log", "w") as log:
-        first = subprocess.Popen(cmd, cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
+        first = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         deadline, states, exps = time.time() + 600, {}, []
         while time.time() < deadline and first.poll() is None:
             exps = experiments()
@@ -617,9 +628,7 @@ def test_sweep_resumes_after_its_driver_is_killed(tiny_pretrained, s3_server, tm
         first.kill()  # unshare: with --kill-child its PID namespace, Ray included, dies with it
         first.wait(timeout=60)
     assert sorted(states.values()) == ["RUNNING", "TERMINATED"], (states, (tmp_path / "first.log").read_text()[-3000:])
-    assert not (wd / "ray_results").exists()  # Tune kept its experiment in the bucket, not in the workdir
     exp = exps[0]
-    done = next(t for t, s in states.items() if s == "TERMINATED")
     before = progress(exp, "before")
     # a later attempt killed while Tune copied its state to storage leaves that object cut short, and it is the
     # newest: the restore sets it aside and takes this attempt's
@@ -630,11 +639,30 @@ def test_sweep_resumes_after_its_driver_is_killed(tiny_pretrained, s3_server, tm
     with fs.open_output_stream(cut, compression=None) as out:
         out.write(state[: len(state) // 2])
 
-    second = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    return KilledAndResumed(hf_dir=hf_dir, wd=wd, fs=fs, exp=exp, states=states, before=before, cut=cut, state=state,
+                            second=second, after=progress(exp, "after"))
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_sweep_resumes_after_its_driver_is_killed(sweep_killed_and_resumed):
+    """`python -m pipeline.run` killed with everything it started (its own PID namespace) once one trial of two has
+    finished, then run again: the Tune experiment is restored, the finished trial is not run again, the other
+    continues, and each trial has exactly one MLflow run, under the stage run that finished the sweep. A newer
+    experiment state cut short, as a driver killed while Tune copies it leaves it, is set aside, not read. Tune's
+    storage is in a bucket (`ray.storage_path=s3://...`), as on a cluster: the restore reads it from there."""
+    import pandas as pd
+    import pyarrow.fs as pafs
+    from mlflow.tracking import MlflowClient
+
+    run = sweep_killed_and_resumed
+    wd, fs, exp, states, before, after, cut = run.wd, run.fs, run.exp, run.states, run.before, run.after, run.cut
+    assert not (wd / "ray_results").exists()  # Tune kept its experiment in the bucket, not in the workdir
+    done = next(t for t, s in states.items() if s == "TERMINATED")
     art_id = exp.rsplit("/", 1)[1].removeprefix("finetune-")
     table = pd.read_csv(wd / "artifacts" / "finetune" / art_id / "results.csv")
-    after = progress(exp, "after")
     # the same Tune trials (restored, not a fresh grid); the finished one untouched, the other one completed
     assert sorted(table["trial_id"]) == sorted(states) and (table["epochs"] == 2).all()
     assert after[done].equals(before[done]) and list(after[done]["epoch"]) == [1, 2]
@@ -646,13 +674,13 @@ def test_sweep_resumes_after_its_driver_is_killed(tiny_pretrained, s3_server, tm
                                                            "attributes.status = 'FINISHED'")
     trials = client.search_runs([experiment.experiment_id], f"tags.`tune.experiment` = 'finetune-{art_id}'")
     assert len(stage) == 1 and sorted(r.data.tags["tune.trial_id"] for r in trials) == sorted(states)
-    for run in trials:
-        assert run.info.status == "FINISHED" and run.data.tags["mlflow.parentRunId"] == stage[0].info.run_id
-        assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [1, 2]
-    assert "resuming the Tune experiment" in second.stdout
+    for trial in trials:
+        assert trial.info.status == "FINISHED" and trial.data.tags["mlflow.parentRunId"] == stage[0].info.run_id
+        assert [m.step for m in client.get_metric_history(trial.info.run_id, "train_loss")] == [1, 2]
+    assert "resuming the Tune experiment" in run.second.stdout
     assert fs.get_file_info(cut).type == pafs.FileType.NotFound
-    assert fs.open_input_stream(f"{cut}.cut-short").read() == state[: len(state) // 2]
-    assert f"{cut.rsplit('/', 1)[1]}.cut-short" in second.stdout
+    assert fs.open_input_stream(f"{cut}.cut-short").read() == run.state[: len(run.state) // 2]
+    assert f"{cut.rsplit('/', 1)[1]}.cut-short" in run.second.stdout
 
 
 def test_an_unrestorable_experiment_in_a_bucket_is_set_aside_whole(s3_server, monkeypatch):  # noqa: F811
