@@ -192,6 +192,14 @@ def continue_steps(n: int) -> list[str]:
             "--set", f"pretrain.ckpt_interval={n // 2}"]
 
 
+def run_pipeline(args: list[str], tracking_uri: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """`python -m pipeline.run ARGS` as its own process against the MLflow server at `tracking_uri`; must exit 0."""
+    res = subprocess.run([sys.executable, "-m", "pipeline.run", *args], cwd=REPO, capture_output=True, text=True,
+                         env=dict(os.environ, MLFLOW_TRACKING_URI=tracking_uri), timeout=timeout)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    return res
+
+
 @pytest.fixture(scope="session")
 def continued_mlm(released_checkpoints, news_subset, tmp_path_factory, mlflow_server):
     """`python -m pipeline.run --until pretrain` continuing the released MLM on 300 real news articles for 12 steps,
@@ -204,9 +212,7 @@ def continued_mlm(released_checkpoints, news_subset, tmp_path_factory, mlflow_se
     workdir = tmp_path_factory.mktemp("continue-wd")
     args = ["--corpus", str(news_subset(300)), "--workdir", str(workdir), "--set",
             f"pretrain.init={released_checkpoints['mlm']}", *continue_steps(12), "--until", "pretrain"]
-    res = subprocess.run([sys.executable, "-m", "pipeline.run", *args], cwd=REPO, capture_output=True, text=True,
-                         env=dict(os.environ, MLFLOW_TRACKING_URI=mlflow_server), timeout=900)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    res = run_pipeline(args, mlflow_server)
     arts = {m.group(1): Path(m.group(2)) for m in re.finditer(r"^  (\w+) +\w+  \(ran\)  (\S+)$", res.stdout, re.M)}
     version = re.search(r"registered deberta-debug-pretrained: version (\d+)", res.stdout)
     assert version, res.stdout[-2000:]

@@ -5,26 +5,14 @@ for MLM and for RTD (a given generator, a derived one), and a registry version a
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import continue_steps
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import continue_steps, run_pipeline
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-
-def pipeline(args: list[str], uri: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    res = subprocess.run([sys.executable, "-m", "pipeline.run", *args], cwd=REPO, capture_output=True, text=True,
-                         env=dict(os.environ, MLFLOW_TRACKING_URI=uri), timeout=timeout)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    return res
 
 
 # The MLM continued from the released checkpoint for 12 steps is the session's `continued_mlm` (tests/conftest.py):
@@ -111,8 +99,8 @@ def test_rtd_from_a_registry_version_derives_its_generator(released_checkpoints,
     another origin (the released checkpoints' random init, std 0.02) are 0.05 and more away."""
     _, workdir, arts, version = continued_mlm
     uri = f"models:/deberta-debug-pretrained/{version}"
-    res = pipeline(["--corpus", str(news_subset(300)), "--workdir", str(workdir), "--set", "pretrain.objective=rtd",
-                    "--set", f"pretrain.init={uri}", *continue_steps(4), "--until", "pretrain"], mlflow_server)
+    res = run_pipeline(["--corpus", str(news_subset(300)), "--workdir", str(workdir), "--set", "pretrain.objective=rtd",
+                        "--set", f"pretrain.init={uri}", *continue_steps(4), "--until", "pretrain"], mlflow_server)
     ran = {m.group(1): Path(m.group(2)) for m in re.finditer(r"^  (\w+) +\w+  \(ran\)  (\S+)$", res.stdout, re.M)}
     out, start = ran["pretrain"], hf_weights(arts["pretrain"] / "hf")
     disc, gen = hf_weights(out / "hf"), hf_weights(out / "generator")
