@@ -34,10 +34,10 @@ from stages.finetune.control import run_control
 from stages.finetune.data import ExternalCheckpoint, load_pretrained, prepare_data
 from stages.finetune.kinds.base import TaskRef
 from stages.finetune.registry import _jsonable, export_hf, export_onnx, plot_sweep, register_champion, save_model
-from stages.finetune.sweep import (GRID_KEYS, _trial_runs_callback, best_checkpoint, grid_size, pick_champion,
-                                   results_table, run_sweep)
+from stages.finetune.sweep import (GRID_KEYS, _trial_runs_callback, best_checkpoint, champion_epoch, grid_size,
+                                   pick_champion, results_table, run_sweep, with_champion)
 
-VERSION = "3"
+VERSION = "4"
 """Bumped when the stage's code changes what it writes (part of the artifact id)."""
 
 
@@ -80,30 +80,38 @@ def run(cfg: FinetuneConfig, *, model: DebertaConfig, inputs: dict[str, Any], ou
     grid = run_sweep(cfg, setup, data, weights, ctx.storage_path,
                      ctx.run_name, callbacks=[_trial_runs_callback(ctx.tracker, metric, ctx.run_name)])
     table = results_table(grid, metric)
+    row = pick_champion(table, metric)
+    best = next(r for r in grid if r.metrics["trial_id"] == row["trial_id"])
+    with best_checkpoint(best, metric).as_directory() as ckpt:  # one epoch: its weights and its figures
+        champion = champion_epoch(row, Path(ckpt))
+        save_model(out / "model", Path(ckpt), setup, task, tok_dir, champion)
+    table = with_champion(table, champion)
     table.drop(columns=["trial_path"]).to_csv(out / "results.csv", index=False)
     plot_sweep(table, metric, baseline, out / "sweep.png", f"{task.name}: {ctx.preset}, sweep {ctx.artifact_id}",
                baseline_name)
-    champion = pick_champion(table, metric)
-    best = next(r for r in grid if r.metrics["trial_id"] == champion["trial_id"])
-    save_model(out / "model", best_checkpoint(best, metric), setup, task, tok_dir, champion)
     (out / "champion.json").write_text(json.dumps(_jsonable(champion), indent=2, sort_keys=True) + "\n")
 
     export_hf(out / "model", out / "hf", task, float(champion["dropout"]))
     onnx = export_onnx(out / "hf", out / "onnx", data[1].ids)
     print(f"[finetune] onnx/ {onnx}", flush=True)
     control = run_control(setup, data, ctx, metric, champion, out) if cfg.control == "scratch" else {}
-    version = register_champion(ctx, out, task, champion, metric, baseline, init, control.get("tags"), onnx)
+    version = register_champion(ctx, out, task, champion, baseline, init, control.get("tags"), onnx)
     name = f"deberta-{ctx.preset}-{task.name}"
     trial_cfg = {k: _jsonable(champion)[k] for k in (*GRID_KEYS, "seed")}
+    # every dev figure of the served epoch, on the stage's run (the v2.0 threshold among them)
+    champion_figures = {f"champion_{k}": float(v) for k, v in champion.items() if k.startswith("dev_")}
+    others = ", ".join(f"{k} {v:.4g}" for k, v in champion.items() if k.startswith("dev_") and k != metric)
     return StageResult(
         metrics={f"best_{metric}": float(champion[metric]), f"best_{metric}_seed_mean": champion["seed_mean"],
+                 "champion_epoch": champion["best_epoch"], **champion_figures,
                  **{name: baseline for name in ("baseline", *task.kind.baseline_aliases)},
                  **control.get("metrics", {})},
         counts={"trials": len(table), "trial_epochs": int(table["epochs"].sum()),
                 "train_examples": len(data[0]), "dev_examples": len(data[1])},
         log_files=("results.csv", "sweep.png", "champion.json", *(("results_scratch.csv",) if control else ())),
         summary={"finetune": f"{name} v{version} (alias champion): {metric}={champion[metric]:.4f} "
-                             f"vs {baseline_name} {baseline:.4f}; trial {json.dumps(trial_cfg)}"
+                             f"vs {baseline_name} {baseline:.4f}; trial {json.dumps(trial_cfg)}, epoch "
+                             f"{champion['best_epoch']} ({others})"
                              + (f"; gain over scratch {control['metrics']['gain_over_scratch']:+.4f} (seed means)"
                                 if control else "")},
     )

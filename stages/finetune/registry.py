@@ -45,11 +45,13 @@ def plot_sweep(table, metric: str, baseline: float, path: Path, title: str, base
     plt.close(fig)
 
 
-def save_model(dst: Path, best_checkpoint, setup: "TrialSetup", task: TaskRef, tok_dir: Path, champion: dict) -> None:
-    """model/ = config.json (DebertaConfig) + model.pt (the head's state dict) + finetune.json + tokenizer/."""
+def save_model(dst: Path, checkpoint_dir: Path, setup: "TrialSetup", task: TaskRef, tok_dir: Path,
+               champion: dict) -> None:
+    """model/ = config.json (DebertaConfig) + model.pt (the head's state dict) + finetune.json + tokenizer/.
+    `champion`: the trial's figures at the epoch of the checkpoint at `checkpoint_dir` (`sweep.champion_epoch`);
+    the kind's export settings (the v2.0 threshold) are read from them."""
     dst.mkdir(parents=True)
-    with best_checkpoint.as_directory() as ckpt:
-        shutil.copyfile(Path(ckpt) / "model.pt", dst / "model.pt")
+    shutil.copyfile(Path(checkpoint_dir) / "model.pt", dst / "model.pt")
     (dst / "config.json").write_text(json.dumps(setup.model.to_dict(), indent=2, sort_keys=True) + "\n")
     head = {"task": task.name, "task_id": task.id, "problem": task.problem, "metric": task.metric,
             "labels": list(task.labels), "num_labels": setup.num_labels, "sift": setup.ft.sift,
@@ -117,20 +119,24 @@ def export_onnx(hf_dir: Path, onnx_dir: Path, dev_ids) -> str:
     return f"{onnx_export.FILE}: logits within {diff:.1e} of torch on {len(rows)} dev rows"
 
 
-def register_champion(ctx: StageContext, out: Path, task: TaskRef, champion: dict, metric: str,
-                      baseline: float, init: "ExternalCheckpoint | None" = None,
-                      extra_tags: dict[str, str] | None = None, onnx: str = "") -> str:
+def register_champion(ctx: StageContext, out: Path, task: TaskRef, champion: dict, baseline: float,
+                      init: "ExternalCheckpoint | None" = None, extra_tags: dict[str, str] | None = None,
+                      onnx: str = "") -> str:
     """Log model/ on the stage's run, hf/ as an MLflow Model (core/hf_pyfunc.py: `mlflow.pyfunc.load_model`
     predicts from `sentence1` (+ `sentence2`), `mlflow models serve` serves it) with onnx/ beside it when
     `export_onnx` wrote one (`pipeline.predict --backend onnx` runs it; `onnx`: its line, a tag), and register that as
-    deberta-<preset>-<task> @champion; returns the version. init: the external checkpoint it started from, named
-    in the version's tags (`init`, `init_digest`); `extra_tags`: e.g. the gain over scratch (`control.py`)."""
+    deberta-<preset>-<task> @champion; returns the version. Tags: the champion's epoch (`best_epoch`) and every dev
+    figure of that epoch (`dev_<metric>`, the v2.0 `dev_null_threshold` its export answers with). init: the
+    external checkpoint it started from, named in the version's tags (`init`, `init_digest`); `extra_tags`: e.g.
+    the gain over scratch (`control.py`)."""
     ctx.tracker.log_artifacts(out / "model", "model")
     trial_cfg = {k: _jsonable(champion)[k] for k in (*GRID_KEYS, "seed")}
     tags = {"pretrain": ctx.lineage.get("pretrain", ""), "corpus": ctx.lineage.get("corpus", ""),
             "vocab": ctx.lineage.get("vocab", ""), "task": task.id, "task_name": task.name, "sweep": ctx.artifact_id,
             "trial_id": champion["trial_id"], "trial_config": json.dumps(trial_cfg, sort_keys=True),
-            metric: f"{champion[metric]:.6f}", "baseline": f"{baseline:.6f}"}
+            "best_epoch": str(champion["best_epoch"]), "baseline": f"{baseline:.6f}",
+            # every dev figure of the served epoch (metric and the v2.0 threshold included)
+            **{k: f"{v:.6f}" for k, v in _jsonable(champion).items() if k.startswith("dev_")}}
     tags.update({name: tags["baseline"] for name in task.kind.baseline_aliases})
     if init is not None:
         tags.update(init=init.source, init_digest=init.id)

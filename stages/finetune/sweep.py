@@ -271,6 +271,28 @@ def best_checkpoint(result, metric: str):
     return result.get_best_checkpoint(metric, "max")
 
 
+def champion_epoch(row: dict[str, Any], checkpoint_dir: Path) -> dict[str, Any]:
+    """The champion as served: `row` (its trial's grid point, seed, id and seed mean) with the epoch and every dev
+    metric of the checkpoint whose weights are exported (`best_checkpoint`, opened at `checkpoint_dir`), read from
+    the result that checkpoint carries (trial.EPOCH_RESULT), never from another epoch's row. Tune keeps the newest
+    of equally good epochs where the results table names the first; the v2.0 no-answer threshold, among others,
+    differs between them."""
+    from stages.finetune.trial import read_epoch_result
+
+    epoch = read_epoch_result(checkpoint_dir)
+    return ({k: v for k, v in row.items() if not k.startswith("dev_")} | {"best_epoch": int(epoch["epoch"])}
+            | {k: float(v) for k, v in epoch.items() if k.startswith("dev_")})
+
+
+def with_champion(table, champion: dict[str, Any]):
+    """The results table with the champion's row at the epoch it is served from (`champion_epoch`)."""
+    table = table.copy()
+    at = table["trial_id"] == champion["trial_id"]
+    for k in ("best_epoch", *(c for c in table.columns if c.startswith("dev_"))):
+        table.loc[at, k] = champion[k]
+    return table
+
+
 def pick_champion(table, metric: str) -> dict[str, Any]:
     """Best grid point by the seed-mean of the dev metric, then its best seed (ties: first in grid order)."""
     means = table.groupby(list(GRID_KEYS), sort=False)[metric].mean()

@@ -17,10 +17,12 @@ Checkpoints: a torch trial hands Tune one after every epoch, the weights with wh
 (optimizer, schedule, RNG states, epoch, best metric so far; Tune keeps the best for selection and the newest to
 resume from), so a retried or restored trial picks up where its last epoch ended. A DeepSpeed trial checkpoints
 the gathered weights whenever the dev metric improves; it has no optimizer state to resume from and restarts.
+Either checkpoint carries its epoch's reported result (`EPOCH_RESULT`): what the champion is served with.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import tempfile
 import time
@@ -43,6 +45,15 @@ from stages.finetune.kinds.base import EVAL_BATCH, Encoded, TaskKind
 
 TRIAL_STATE = "trial_state.pt"
 """Beside model.pt in a torch trial's checkpoint: what `restore_progress` needs to continue the loop."""
+
+EPOCH_RESULT = "epoch_result.json"
+"""Beside model.pt in every trial checkpoint: the result its epoch reported (epoch, every dev metric, the v2.0
+threshold). The champion's figures are read from here, so they belong to the weights beside them whichever of
+several equally good epochs Tune kept (it keeps the newest of equal scores)."""
+
+
+def write_epoch_result(directory: Path, result: dict[str, Any]) -> None:
+    (Path(directory) / EPOCH_RESULT).write_text(json.dumps(result, sort_keys=True) + "\n")
 
 
 @dataclass(frozen=True)
@@ -241,6 +252,10 @@ def restore_progress(engine: Engine, directory: Path) -> Progress:
     return Progress(state["epoch"], state["best"], state["order"])
 
 
+def read_epoch_result(directory: Path) -> dict[str, Any]:
+    return json.loads((Path(directory) / EPOCH_RESULT).read_text())
+
+
 def torch_trial(config: dict[str, Any], *, data: tuple[Encoded, Encoded], weights: dict[str, torch.Tensor],
                 setup: TrialSetup) -> None:
     """Tune function trainable (trainer=torch): fine-tune one grid point in this process."""
@@ -261,6 +276,7 @@ def torch_trial(config: dict[str, Any], *, data: tuple[Encoded, Encoded], weight
         # every epoch: Tune keeps the best checkpoint (num_to_keep=1) and always the newest, to resume from
         with tempfile.TemporaryDirectory() as tmp:
             save_progress(engine, Path(tmp), progress)
+            write_epoch_result(Path(tmp), result)
             tune.report(result, checkpoint=tune.Checkpoint.from_directory(tmp))
 
     run_epochs(engine, data, setup, config, report, start=start)
@@ -297,6 +313,8 @@ def deepspeed_worker(loop_config: dict[str, Any]) -> None:
             return
         with tempfile.TemporaryDirectory() as tmp:
             engine.save_weights(tmp)  # collective under ZeRO-3; rank 0 writes the full model
+            if rank == 0:
+                write_epoch_result(Path(tmp), result)
             ray.train.report(result, checkpoint=ray.train.Checkpoint.from_directory(tmp) if rank == 0 else None)
 
     run_epochs(engine, data, setup, config, report, rank, world)
