@@ -3,12 +3,13 @@ by the metric code, against the dev metric the sweep logged for it, on the defau
 
     unshare --net sh -c 'ip link set lo up && .venv/bin/python -m bench.served'     # ~15 min on 2 cores
 
-One workdir, five `python -m pipeline.run --task ...` runs (the first builds corpus, vocab, tokenize and
+One workdir, six `python -m pipeline.run --task ...` runs (the first builds corpus, vocab, tokenize and
 pretraining; the others reuse them): `rotten-tomatoes` (sequence), `wnut16-ner` and a rule-tagged copy of its tweets
-(token; `tweet_names_dir`), a SQuAD v2.0 directory passed as typed (span) and `rotten-tomatoes-choice` (choice) on the
-preset's defaults. The v2.0 task is real records: the SQuAD v1.1 and Quoref questions
-allennlp 0.9.0 ships among its test fixtures, each split's questions also asked of a context of another article
-(no answer there, by construction), as tests/integration/test_finetune_kinds.py builds it. Each champion is loaded
+(token; `tweet_names_dir`), two SQuAD v2.0 directories passed as typed (span: half and three quarters of the dev
+questions unanswerable) and `rotten-tomatoes-choice` (choice) on the preset's defaults. The v2.0 tasks are real
+records: the SQuAD v1.1 and Quoref questions allennlp 0.9.0 ships among its test fixtures, each split's questions
+also asked of one context of another article (no answer there, by construction), as
+tests/integration/test_finetune_kinds.py builds it, or of three (`squad_v2_dir`). Each champion is loaded
 as users load it (`mlflow.pyfunc.load_model("models:/...@champion")`), fed the dev set as raw columns (sentences;
 words joined by single spaces; question + context), and its answers scored independently of the stage: accuracy
 from the labels, entity F1 from the served entities read back as word tags, SQuAD v2.0 F1 from the answers,
@@ -32,27 +33,32 @@ from bench.common import RESULTS, command_line, emit, load_average
 FIXTURES = "allennlp/tests/fixtures/data"
 
 
-def squad_v2_dir(root: Path) -> Path:
-    """A SQuAD v2.0 task directory from real records (module docstring)."""
+def squad_v2_dir(root: Path, name: str = "squad-v2", elsewhere: int = 1) -> Path:
+    """A SQuAD v2.0 task directory from real records (module docstring): each split's own questions are also asked
+    of `elsewhere` contexts of other articles (no answer there). 1: half the dev questions unanswerable; 3: three
+    quarters (the third context is the QuAC sample's, allennlp's `quac_sample.json`), where "never answer" is a
+    champion a small model reaches at every epoch, each with its own threshold."""
     from core.datasets import site_packages_file
 
     paragraphs = []
-    for name in ("squad.json", "quoref/quoref_sample.json"):
-        for article in json.loads(site_packages_file(f"{FIXTURES}/{name}").read_text())["data"]:
+    for file in ("squad.json", "quoref/quoref_sample.json"):
+        for article in json.loads(site_packages_file(f"{FIXTURES}/{file}").read_text())["data"]:
             for para in article["paragraphs"]:
                 qas = [{**qa, "answers": qa["answers"][:1]} for qa in para["qas"]]
                 for a in (a for qa in qas for a in qa["answers"] if a["text"] == "Father Julius Nieuwl"):
                     a["text"] = "Father Julius Nieuwland"  # allennlp's copy cut the name short
                 paragraphs.append({"context": para["context"], "qas": qas})
     notre_dame, quoref = paragraphs[:2], paragraphs[2:]
-    d = root / "squad-v2"
+    quac = json.loads(site_packages_file(f"{FIXTURES}/quac_sample.json").read_text())["data"][0]["paragraphs"][0]
+    others = {"train": [notre_dame[1], quac, quoref[0]], "dev": [quoref[0], quac, quoref[1]]}
+    d = root / name
     d.mkdir(parents=True)
-    for split, ps, other in (("train", [notre_dame[0], *quoref], notre_dame[1]), ("dev", [notre_dame[1]], quoref[0])):
+    for split, ps in (("train", [notre_dame[0], *quoref]), ("dev", [notre_dame[1]])):
         asked = notre_dame[0] if split == "train" else notre_dame[1]
-        elsewhere = {"context": other["context"], "qas": [
-            {"id": f"{qa['id']}-elsewhere", "question": qa["question"], "answers": [], "is_impossible": True}
-            for qa in asked["qas"]]}
-        doc = {"version": "v2.0", "data": [{"title": "t", "paragraphs": [*ps, elsewhere]}]}
+        elsewhere_paras = [{"context": other["context"], "qas": [
+            {"id": f"{qa['id']}-elsewhere{i}", "question": qa["question"], "answers": [], "is_impossible": True}
+            for qa in asked["qas"]]} for i, other in enumerate(others[split][:elsewhere])]
+        doc = {"version": "v2.0", "data": [{"title": "t", "paragraphs": [*ps, *elsewhere_paras]}]}
         (d / f"{split}.json").write_text(json.dumps(doc))
     return d
 
@@ -133,12 +139,16 @@ def main() -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-served-"))
     squad = squad_v2_dir(workdir / "tasks") if not (workdir / "tasks" / "squad-v2").is_dir() else \
         workdir / "tasks" / "squad-v2"
+    unanswerable = workdir / "tasks" / "squad-v2-unanswerable"
+    if not unanswerable.is_dir():
+        squad_v2_dir(workdir / "tasks", unanswerable.name, elsewhere=3)
     tweets = tweet_names_dir(workdir / "tasks") if not (workdir / "tasks" / "tweet-names").is_dir() else \
         workdir / "tasks" / "tweet-names"
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI")}
     rows = []
     for spec, name in (("rotten-tomatoes", "rotten-tomatoes"), ("wnut16-ner", "wnut16-ner"),
                        (str(tweets), "tweet-names"), (str(squad), "squad-v2"),
+                       (str(unanswerable), "squad-v2-unanswerable"),
                        ("rotten-tomatoes-choice", "rotten-tomatoes-choice")):
         started = time.time()
         res = subprocess.run([sys.executable, "-m", "pipeline.run", "--workdir", str(workdir), "--task", spec],
@@ -152,12 +162,17 @@ def main() -> None:
         model = mlflow.pyfunc.load_model(f"models:/deberta-debug-{name}@champion")
         rows.append({"task": name, "kind": task.kind.name, "metric": metric, "dev_examples": len(task.dev),
                      "logged": float(version.tags[metric]), "served": round(served_metric(model, task), 6),
-                     "baseline": float(version.tags["baseline"]), "run_s": round(time.time() - started, 1)})
+                     "baseline": float(version.tags["baseline"]), "best_epoch": int(version.tags["best_epoch"]),
+                     **({"null_threshold": float(version.tags["dev_null_threshold"]),
+                         "unanswerable": sum(not q.answers for q in task.dev.questions)}
+                        if "dev_null_threshold" in version.tags else {}),
+                     "run_s": round(time.time() - started, 1)})
     report = {"bench": "served", "command": command_line(), "preset": "debug", "load_average": load_average(),
               "workdir": str(workdir), "tasks": {r["task"]: r for r in rows}}
-    lines = ["| kind | task | dev examples | metric | logged | served | baseline |", "|---|---|---|---|---|---|---|"]
+    lines = ["| kind | task | dev examples | metric | logged | served | baseline | epoch |",
+             "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['kind']} | {r['task']} | {r['dev_examples']} | {r['metric']} | {r['logged']:.4f} | "
-              f"{r['served']:.4f} | {r['baseline']:.4f} |" for r in rows]
+              f"{r['served']:.4f} | {r['baseline']:.4f} | {r['best_epoch']} |" for r in rows]
     emit(report, args.json, "\n".join(lines))
 
 
