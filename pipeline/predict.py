@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -38,11 +39,6 @@ from pipeline.predictor import REASON, ModelRef, answer_schema
 
 VERSION = "1"
 """Of the output's layout; part of the key a finished output is reused by."""
-DIR_INPUTS = {"text-classification": ("sentence1",), "token-classification": ("text",),
-              "question-answering": ("question", "context"), "multiple-choice": ("context", "question", "options")}
-"""The input columns of an HF directory's task (a registered model names its own, core/hf_pyfunc.py)."""
-OPTIONAL_INPUTS = {"text-classification": ("sentence2",)}
-"""Columns a directory's model reads when given (`--column sentence2=FIELD` for a pair task)."""
 WRITE = {"num_cpus": 0}
 """The write tasks reserve no CPU: they only encode and store shards, and the actors hold the CPUs (a write that
 waited for one would hold every answer in the object store until the pool went idle)."""
@@ -138,7 +134,7 @@ def _directory_model(path: str, cache: str) -> tuple[ModelRef, tuple[str, ...], 
     config = json.loads(Path(path, "config.json").read_text())
     arch = (config.get("architectures") or [""])[0]
     kind = next((k for k in KINDS.values() if arch.endswith(k.hf_auto.removeprefix("AutoModel"))), None)
-    if kind is None or kind.pyfunc_task not in DIR_INPUTS:
+    if kind is None or not kind.input_columns:
         raise UserError(f"MODEL {path}: {arch or 'no architecture'} is not a fine-tuned head of a task kind "
                         f"({', '.join(k.hf_auto.removeprefix('Auto') for k in KINDS.values())}); batch predictions "
                         f"answer a task")
@@ -147,7 +143,7 @@ def _directory_model(path: str, cache: str) -> tuple[ModelRef, tuple[str, ...], 
     digest = hashlib.sha256("".join(file_digest(p) for p in sorted(Path(path).iterdir()) if p.is_file()).encode())
     version = f"{path}#sha256:{digest.hexdigest()[:16]}"
     ref = ModelRef(path, "", cache, type(kind).__module__, (), _outputs(outputs), version)
-    return ref, DIR_INPUTS[kind.pyfunc_task], Path(path), ""
+    return ref, kind.input_columns, Path(path), ""
 
 
 @dataclass(frozen=True)
@@ -221,7 +217,8 @@ def plan(args: argparse.Namespace) -> Job:
     if args.batch_size < 1 or args.actors < 0 or args.cpus_per_actor < 0 or args.gpus_per_actor < 0:
         raise UserError("--batch-size must be >= 1, --actors, --cpus-per-actor and --gpus-per-actor >= 0")
     ref, inputs, hf, model_id = resolve_model(args.model, args.cache)
-    optional = () if ref.tracking_uri else OPTIONAL_INPUTS.get(_task_of(hf), ())
+    # a registered model's signature names every column it reads; a directory's are its kind's
+    optional = () if ref.tracking_uri else importlib.import_module(ref.kind).KIND.optional_columns
     columns = columns_of(inputs, optional, args.column)
     files = list_input(args.input, columns)
     ref = replace(ref, columns=columns, backend=args.backend, threads=max(1, int(args.cpus_per_actor)))
@@ -239,13 +236,6 @@ def plan(args: argparse.Namespace) -> Job:
     if args.backend == "onnx":
         _check_onnx(hf, ref, files[0][0])
     return Job(ref, files, args.output, key, model_id)
-
-
-def _task_of(hf: Path) -> str:
-    from stages.finetune.kinds import KINDS
-
-    arch = (json.loads((hf / "config.json").read_text()).get("architectures") or [""])[0]
-    return next((k.pyfunc_task for k in KINDS.values() if arch.endswith(k.hf_auto.removeprefix("AutoModel"))), "")
 
 
 def _check_onnx(hf: Path, ref: ModelRef, first: str) -> None:

@@ -270,6 +270,8 @@ def test_batch_prediction_refusals_are_one_line(mlflow_server, registered, news_
                                                         "name the input's field with --column sentence1=FIELD"),
         (["models:/deberta-debug-clf@champion", *base, "--column", "label=text"],
          "the model does not read a column 'label'; it reads ['sentence1']"),
+        ([str(registered[2]["clf"]), *base, "--column", "label=text"],  # an HF directory: its kind's columns
+         "it reads ['sentence1'] (and optionally ['sentence2'])"),
         (["models:/deberta-debug-clf/7", *base], "'deberta-debug-clf' has no version 7"),
         (["models:/deberta-debug-mlm@champion", *base], "is a pretrained model (fill-mask), which answers no task"),
         (["models:/deberta-debug-clf@champion", *base[:1], str(tmp_path / "none.jsonl"), *base[2:]],
