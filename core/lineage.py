@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import os
 import time
@@ -32,6 +33,7 @@ from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
 from core import locks
+from core.artifacts import file_digest
 
 EXPERIMENT = "deberta-pipeline"
 TAG_STAGE = "pipeline.stage"
@@ -464,8 +466,8 @@ class PredictionModel:
     """A logged MLflow Model (core/hf_pyfunc.py over an HF export) on local disk, for batch prediction."""
 
     uri: str
-    """The model as it can be asked for again and give the same bytes: models:/NAME/VERSION (an alias resolved),
-    models:/<model_id> or runs:/RUN/PATH."""
+    """What was downloaded, a URI that names the same bytes tomorrow: models:/<model_id> (a registry version's
+    logged model), runs:/RUN/PATH, or models:/NAME/VERSION for a version without a logged model."""
     path: Path
     """The downloaded MLflow Model directory (MLmodel, artifacts/)."""
     hf: Path
@@ -478,59 +480,121 @@ class PredictionModel:
     """The MLflow 3 logged model behind it ("" for a run's model logged without one)."""
     onnx: Path | None = None
     """The directory of its ONNX export (the pyfunc's artifact `onnx`, the finetune stage's), None without one."""
+    version: str = ""
+    """The registry version it was asked for by (models:/NAME/VERSION, an alias resolved), else `uri`: for people."""
+    identity: str = ""
+    """What the model is, for the predictions' lineage and their reuse: models:/<model_id>, or without a logged
+    model `uri` at its tracking server (a run id is only unique within one store)."""
 
 
-def _cache_key(client: MlflowClient, uri: str, tracking_uri: str) -> tuple[str, Path, str]:
-    """(the immutable URI, its cache folder under the cache root, the logged model id) of a model URI."""
+CACHE_FILES = "files.json"
+"""Beside a cached model's `model/`: the SHA-256 of each of its files, written at download, checked on reuse."""
+
+
+def _cache_key(client: MlflowClient, uri: str, tracking_uri: str) -> tuple[str, Path, str, str]:
+    """(the immutable URI to download, its cache folder, the logged model id, the version asked for) of a model URI.
+    The folder is named by what the model is (its logged model id; a run's path with the tracking server), never by
+    a registry name and version, which another store or a re-registration gives to other bytes."""
+    server = hashlib.sha256(tracking_uri.encode()).hexdigest()[:16]
     if uri.startswith(MODELS_URI) and ("@" in uri or uri.count("/") >= 2):  # a registered name: version or alias
         mv = _model_version(client, uri, tracking_uri)
-        return f"{MODELS_URI}{mv.name}/{mv.version}", Path("registry") / mv.name / str(mv.version), mv.model_id or ""
+        version = f"{MODELS_URI}{mv.name}/{mv.version}"
+        # MLflow 3.17's REST answer carries no `model_id` (ModelVersion.from_proto); the source names the logged model
+        logged = mv.source.removeprefix(MODELS_URI) if mv.source.startswith(MODELS_URI) else ""
+        model_id = mv.model_id or ("" if "/" in logged else logged)
+        if model_id:
+            return f"{MODELS_URI}{model_id}", Path("logged") / model_id, model_id, version
+        source = mv.source if mv.source.startswith("runs:/") else version
+        return source, Path("versions") / server / hashlib.sha256(mv.source.encode()).hexdigest()[:16], "", version
     if uri.startswith(MODELS_URI):  # a logged model, models:/<model_id>
         model_id = uri.removeprefix(MODELS_URI)
-        return uri, Path("logged") / model_id, model_id
+        return uri, Path("logged") / model_id, model_id, uri
     if uri.startswith("runs:/") and uri.count("/") >= 2:
-        return uri, Path("runs") / uri.removeprefix("runs:/").strip("/"), ""
+        return uri, Path("runs") / server / uri.removeprefix("runs:/").strip("/"), "", uri
     raise ValueError(f"{uri}: not a model URI; give models:/NAME/VERSION, models:/NAME@ALIAS, models:/<model_id>, "
                      f"runs:/RUN_ID/PATH or an HF export directory")
 
 
-def download_model(uri: str, tracking_uri: str, cache: Path) -> PredictionModel:
-    """The MLflow Model `uri` names, downloaded once per version into `cache` (renamed into place whole, so a copy
-    there is complete) and read: its HF export, its interface and its signature's outputs. Called by the driver
-    (which checks the input against it before Ray starts) and again by every prediction actor (a no-op on the
-    driver's node; a download on another). ValueError, one message naming the fix, for what a user can get wrong."""
+def _file_digests(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): file_digest(p) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _cached(target: Path, uri: str) -> bool:
+    """Whether `target` holds a whole download whose files still match the digests written with it; a copy that no
+    longer does is moved aside (said in one line) so that it is downloaded again."""
     import shutil
+    import uuid
+
+    if not (target / CACHE_FILES).is_file():  # renamed into place whole, digests included: absent means none
+        return False
+    try:
+        want = json.loads((target / CACHE_FILES).read_text())
+    except ValueError:
+        want = None
+    got = _file_digests(target / "model")
+    if got == want:
+        return True
+    changed = [CACHE_FILES] if want is None else [f"model/{f}" for f in sorted(set(want) | set(got))
+                                                   if want.get(f) != got.get(f)]
+    print(f"cache: {target}/{changed[0]} no longer matches the digest written when {uri} was downloaded; "
+          f"downloading it again")
+    aside = target.with_name(f".{target.name}.stale-{uuid.uuid4().hex[:8]}")
+    with contextlib.suppress(FileNotFoundError):  # another process on this node moved it first
+        os.rename(target, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+    return False
+
+
+def _download(fetch: str, uri: str, tracking_uri: str, target: Path) -> None:
+    """`fetch` into `target`/model with its files' digests, renamed into place whole (so a copy there is complete)."""
     import tempfile
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-") as tmp, \
+            _tracking_uri(tracking_uri):
+        got = Path(mlflow.artifacts.download_artifacts(artifact_uri=fetch, dst_path=str(Path(tmp, "download"))))
+        if not (got / "MLmodel").is_file():
+            raise ValueError(f"{uri} is not an MLflow Model (no MLmodel file); give a model logged by "
+                             f"the finetune stage (Tracker.log_hf_model) or an HF export directory")
+        entry = Path(tmp, "entry")
+        entry.mkdir()
+        os.rename(got, entry / "model")
+        (entry / CACHE_FILES).write_text(json.dumps(_file_digests(entry / "model"), indent=1, sort_keys=True))
+        try:
+            os.rename(entry, target)
+        except OSError:  # another process put it there first: theirs is complete
+            if not (target / CACHE_FILES).is_file():
+                raise
+
+
+def download_model(uri: str, tracking_uri: str, cache: Path) -> PredictionModel:
+    """The MLflow Model `uri` names, downloaded once per logged model into `cache` (`_cache_key`) and read: its HF
+    export, its interface and its signature's outputs. Called by the driver (which checks the input against it
+    before Ray starts) and again by every prediction actor with the driver's `uri` (a no-op on the driver's node; a
+    download on another). ValueError, one message naming the fix, for what a user can get wrong."""
+    import shutil
 
     client = _client(tracking_uri)
     try:
-        version_uri, rel, model_id = _cache_key(client, uri, tracking_uri)
+        fetch, rel, model_id, version = _cache_key(client, uri, tracking_uri)
         target = Path(cache) / rel
-        if not (target / "MLmodel").is_file():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-") as tmp, \
-                    _tracking_uri(tracking_uri):
-                got = Path(mlflow.artifacts.download_artifacts(artifact_uri=version_uri, dst_path=tmp))
-                if not (got / "MLmodel").is_file():
-                    raise ValueError(f"{uri} is not an MLflow Model (no MLmodel file); give a model logged by "
-                                     f"the finetune stage (Tracker.log_hf_model) or an HF export directory")
-                try:
-                    os.rename(got, target)
-                except OSError:  # another process put it there first: theirs is complete
-                    if not (target / "MLmodel").is_file():
-                        raise
+        if not _cached(target, fetch):
+            _download(fetch, uri, tracking_uri, target)
     except mlflow.exceptions.MlflowException as e:  # an unreachable server, a missing artifact
         raise ValueError(f"{uri}: reading it from {tracking_uri} failed: {e.message.splitlines()[0]}") from None
-    model = mlflow.models.Model.load(str(target / "MLmodel"))
+    path = target / "model"
+    model = mlflow.models.Model.load(str(path / "MLmodel"))
     artifacts = model.flavors.get("python_function", {}).get("artifacts") or {}
     if "hf" not in artifacts or "interface" not in artifacts:
         shutil.rmtree(target, ignore_errors=True)
         raise ValueError(f"{uri} holds no HF export (no pyfunc artifacts `hf` and `interface`); give a model logged "
                          f"by Tracker.log_hf_model (the finetune stage's champion) or an HF export directory")
-    interface = json.loads((target / artifacts["interface"]["path"]).read_text())
+    interface = json.loads((path / artifacts["interface"]["path"]).read_text())
     outputs = json.loads(model.signature.outputs.to_json()) if model.signature and model.signature.outputs else None
-    onnx = target / artifacts["onnx"]["path"] if "onnx" in artifacts else None
-    return PredictionModel(version_uri, target, target / artifacts["hf"]["path"], interface, outputs, model_id, onnx)
+    onnx = path / artifacts["onnx"]["path"] if "onnx" in artifacts else None
+    identity = f"{MODELS_URI}{model_id}" if model_id else f"{fetch} at {tracking_uri}"
+    return PredictionModel(fetch, path, path / artifacts["hf"]["path"], interface, outputs, model_id, onnx,
+                           version, identity)
 
 
 def log_prediction(tracking_uri: str, name: str, model_uri: str, model_id: str, inputs: str, input_digest: str,

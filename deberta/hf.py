@@ -376,7 +376,7 @@ def _mask_rows_past_tokenizer(hf_model: nn.Module, tokenizer_len: int) -> None:
         bias[tokenizer_len:] = NOT_A_TOKEN_BIAS  # legacy: decoder.bias is the same tensor
 
 
-def _model_card(path: Path, hf_model: nn.Module, pipeline_tag: str, tokenizer_len: int) -> None:
+def _model_card(path: Path, hf_model: nn.Module, pipeline_tag: str, tokenizer_len: int, notes: list[str]) -> None:
     cfg = hf_model.config
     params = sum(p.numel() for p in hf_model.parameters())
     lines = [
@@ -387,12 +387,8 @@ def _model_card(path: Path, hf_model: nn.Module, pipeline_tag: str, tokenizer_le
         f"- tokenizer: SentencePiece ({tokenizer_len - 1} pieces) + [MASK]={tokenizer_len - 1}; "
         f"{cfg.vocab_size} embedding rows",
         "- the pretraining's Enhanced Mask Decoder is not part of this export: HF has no place for it",
+        *(f"- {n}" for n in notes),
     ]
-    if pipeline_tag == "fill-mask":
-        lines.append(f"- LM-head bias of rows {tokenizer_len}..{cfg.vocab_size - 1} (no token) "
-                     f"set to {NOT_A_TOKEN_BIAS:g}")
-    elif pipeline_tag in ("text-classification", "token-classification"):
-        lines.append(f"- labels: {cfg.id2label} ({cfg.problem_type})")
     (path / "README.md").write_text("\n".join(lines) + "\n")
 
 
@@ -416,14 +412,19 @@ def save_pretrained(model: nn.Module, path: str | Path, *, vocab_dir: str | Path
     hf_model = to_transformers(model, labels, drop_sift_normalisation)
     for key, value in (config_extra or {}).items():  # settings the serving side reads (e.g. a QA threshold)
         setattr(hf_model.config, key, value)
+    notes = []  # what this export holds besides the backbone: the card says what the model itself says
     if isinstance(model, DebertaForMaskedLM):
         _mask_rows_past_tokenizer(hf_model, tokenizer_len)
+        notes.append(f"LM-head bias of rows {tokenizer_len}..{model.cfg.vocab_size - 1} (no token) set to "
+                     f"{NOT_A_TOKEN_BIAS:g}")
+    if isinstance(model, TaskHead) and "id2label" in model.hf_config(labels):  # a head whose outputs are labels
+        notes.append(f"labels: {hf_model.config.id2label} ({hf_model.config.problem_type})")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_tokenizer(vocab_dir, path, model_max_length or model.cfg.max_position_embeddings)
     hf_model.save_pretrained(path)
     tag = "fill-mask" if isinstance(model, DebertaForMaskedLM) else getattr(model, "pipeline_tag", "feature-extraction")
-    _model_card(path, hf_model, tag, tokenizer_len)
+    _model_card(path, hf_model, tag, tokenizer_len, notes)
     return path
 
 

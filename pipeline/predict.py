@@ -8,19 +8,21 @@ run's model (`runs:/RUN_ID/model`), read from MLFLOW_TRACKING_URI; or an HF expo
 from another field). Output: Parquet shards (`pipeline/predictor.py` says their columns), `_manifest.json` and
 `_SUCCESS` last; a local output is written beside and renamed, one in object storage is visible by its marker.
 
-Every check a user can fail runs before Ray starts, as one `error:` line and exit code 2: the model (URI, kind),
-the input (files, the first record's fields), the output (a finished one of another model or input is refused
-without --force). A finished output of the same input (paths, sizes, mtimes), model version, backend and columns
-is reused: the re-run is a no-op. Then Ray Data reads the files, maps batches of `--batch-size` rows over a pool
-of `--actors` actors (one model each, `--cpus-per-actor` / `--gpus-per-actor`; one that dies is restarted and its
-batch retried: Ray Data's actor defaults, max_restarts and max_task_retries -1) and writes the shards; with MLFLOW_TRACKING_URI set, a run records the input and the model
-version it was answered by (`core.lineage.log_prediction`). docs/serving.md has examples.
+Every check a user can fail runs before Ray starts, as one `error:` line and exit code 2: the model (URI, kind), the
+input (files, the first record's fields), the output (a finished one of another model or input is refused without
+--force). A finished output of the same input (paths, sizes, mtimes), model (its logged model id: a registry's
+NAME/VERSION names other bytes in another store), backend and columns is reused: the re-run is a no-op. Then Ray Data
+reads the files, maps batches of `--batch-size` rows over a pool of `--actors` actors (one model each,
+`--cpus-per-actor` / `--gpus-per-actor`; one that dies is restarted and its batch retried: Ray Data's actor defaults,
+max_restarts and max_task_retries -1) and writes the shards; with MLFLOW_TRACKING_URI set, a run records the input
+and the model version it was answered by (`core.lineage.log_prediction`). docs/serving.md has examples.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -30,19 +32,18 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from core import storage
 from core.artifacts import SUCCESS, artifact_id, code_version, file_digest
 from core.errors import StageInputError
 from pipeline.predictor import REASON, ModelRef, answer_schema
 
+if TYPE_CHECKING:
+    from core.lineage import PredictionModel
+
 VERSION = "1"
 """Of the output's layout; part of the key a finished output is reused by."""
-DIR_INPUTS = {"text-classification": ("sentence1",), "token-classification": ("text",),
-              "question-answering": ("question", "context"), "multiple-choice": ("context", "question", "options")}
-"""The input columns of an HF directory's task (a registered model names its own, core/hf_pyfunc.py)."""
-OPTIONAL_INPUTS = {"text-classification": ("sentence2",)}
-"""Columns a directory's model reads when given (`--column sentence2=FIELD` for a pair task)."""
 WRITE = {"num_cpus": 0}
 """The write tasks reserve no CPU: they only encode and store shards, and the actors hold the CPUs (a write that
 waited for one would hold every answer in the object store until the pool went idle)."""
@@ -99,13 +100,18 @@ class Job:
     output: str
     key: str
     model_id: str = ""
+    version: str = ""
+    """The registry version asked for (models:/NAME/VERSION, an alias resolved), for the lineage run ("" for a
+    directory); `ref.version` is what the model is."""
     done: bool = False
 
 
 # ----------------------------------------------------------------------------------------------- the model
 
-def resolve_model(spec: str, cache: str) -> tuple[ModelRef, tuple[str, ...], Path, str]:
-    """(ModelRef without columns, the model's input columns, its HF directory here, the logged model id)."""
+def resolve_model(spec: str, cache: str) -> tuple[ModelRef, tuple[str, ...], Path, PredictionModel | None]:
+    """(ModelRef without columns, the model's input columns, its HF directory here, the downloaded model or None for
+    a directory). A downloaded model's ref names what it is (`PredictionModel.identity`, its logged model id) and
+    its immutable URI, so every actor loads those very bytes and the output is reused only for them."""
     if os.path.isdir(spec):
         return _directory_model(spec, cache)
     if not spec.startswith(("models:/", "runs:/")):
@@ -122,13 +128,14 @@ def resolve_model(spec: str, cache: str) -> tuple[ModelRef, tuple[str, ...], Pat
     except ValueError as e:
         raise UserError(str(e)) from None
     if not model.interface.get("kind"):
-        raise UserError(f"{model.uri} is a pretrained model ({model.interface.get('task')}), which answers no task; "
-                        f"batch predictions need a fine-tuned model (the finetune stage's champion)")
-    ref = ModelRef(model.uri, tracking_uri, cache, model.interface["kind"], (), _outputs(model.outputs), model.uri)
-    return ref, tuple(model.interface["inputs"]), model.hf, model.model_id
+        raise UserError(f"{model.version} is a pretrained model ({model.interface.get('task')}), which answers no "
+                        f"task; batch predictions need a fine-tuned model (the finetune stage's champion)")
+    ref = ModelRef(model.uri, tracking_uri, cache, model.interface["kind"], (), _outputs(model.outputs),
+                   model.identity)
+    return ref, tuple(model.interface["inputs"]), model.hf, model
 
 
-def _directory_model(path: str, cache: str) -> tuple[ModelRef, tuple[str, ...], Path, str]:
+def _directory_model(path: str, cache: str) -> tuple[ModelRef, tuple[str, ...], Path, None]:
     from stages.finetune.kinds import KINDS
 
     path = os.path.abspath(path)
@@ -138,7 +145,7 @@ def _directory_model(path: str, cache: str) -> tuple[ModelRef, tuple[str, ...], 
     config = json.loads(Path(path, "config.json").read_text())
     arch = (config.get("architectures") or [""])[0]
     kind = next((k for k in KINDS.values() if arch.endswith(k.hf_auto.removeprefix("AutoModel"))), None)
-    if kind is None or kind.pyfunc_task not in DIR_INPUTS:
+    if kind is None or not kind.input_columns:
         raise UserError(f"MODEL {path}: {arch or 'no architecture'} is not a fine-tuned head of a task kind "
                         f"({', '.join(k.hf_auto.removeprefix('Auto') for k in KINDS.values())}); batch predictions "
                         f"answer a task")
@@ -147,7 +154,7 @@ def _directory_model(path: str, cache: str) -> tuple[ModelRef, tuple[str, ...], 
     digest = hashlib.sha256("".join(file_digest(p) for p in sorted(Path(path).iterdir()) if p.is_file()).encode())
     version = f"{path}#sha256:{digest.hexdigest()[:16]}"
     ref = ModelRef(path, "", cache, type(kind).__module__, (), _outputs(outputs), version)
-    return ref, DIR_INPUTS[kind.pyfunc_task], Path(path), ""
+    return ref, kind.input_columns, Path(path), None
 
 
 @dataclass(frozen=True)
@@ -220,8 +227,10 @@ def plan(args: argparse.Namespace) -> Job:
     """Every check before Ray starts; `done` when a finished output of the same key is there."""
     if args.batch_size < 1 or args.actors < 0 or args.cpus_per_actor < 0 or args.gpus_per_actor < 0:
         raise UserError("--batch-size must be >= 1, --actors, --cpus-per-actor and --gpus-per-actor >= 0")
-    ref, inputs, hf, model_id = resolve_model(args.model, args.cache)
-    optional = () if ref.tracking_uri else OPTIONAL_INPUTS.get(_task_of(hf), ())
+    ref, inputs, hf, model = resolve_model(args.model, args.cache)
+    # a registered model's signature names every column it reads; a directory's are its kind's
+    optional = () if model else importlib.import_module(ref.kind).KIND.optional_columns
+    lineage = (model.model_id, model.version) if model else ("", "")
     columns = columns_of(inputs, optional, args.column)
     files = list_input(args.input, columns)
     ref = replace(ref, columns=columns, backend=args.backend, threads=max(1, int(args.cpus_per_actor)))
@@ -232,20 +241,13 @@ def plan(args: argparse.Namespace) -> Job:
     except (OSError, ValueError) as e:
         raise UserError(f"output {args.output}: {storage.store_fix(e)}") from None
     if manifest is not None and manifest.get("key") == key and not args.force:
-        return Job(ref, files, args.output, key, model_id, done=True)
+        return Job(ref, files, args.output, key, *lineage, done=True)
     if manifest is not None and not args.force:
         raise UserError(f"output {args.output} holds predictions of another input or model ({manifest.get('model')}, "
                         f"{manifest.get('input')}); choose another --output, or pass --force to replace them")
     if args.backend == "onnx":
         _check_onnx(hf, ref, files[0][0])
-    return Job(ref, files, args.output, key, model_id)
-
-
-def _task_of(hf: Path) -> str:
-    from stages.finetune.kinds import KINDS
-
-    arch = (json.loads((hf / "config.json").read_text()).get("architectures") or [""])[0]
-    return next((k.pyfunc_task for k in KINDS.values() if arch.endswith(k.hf_auto.removeprefix("AutoModel"))), "")
+    return Job(ref, files, args.output, key, *lineage)
 
 
 def _check_onnx(hf: Path, ref: ModelRef, first: str) -> None:
@@ -303,9 +305,9 @@ def run(job: Job, args: argparse.Namespace) -> dict:
     answers = rows.map_batches(Predictor, fn_constructor_kwargs={"ref": job.ref}, batch_size=args.batch_size,
                                batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=actors),
                                num_cpus=args.cpus_per_actor, num_gpus=args.gpus_per_actor or None)
-    manifest = {"key": job.key, "model": job.ref.version, "input": args.input, "backend": job.ref.backend,
-                "columns": dict(job.ref.columns), "actors": actors, "batch_size": args.batch_size,
-                "files_in": len(job.files), "code_version": code_version()}
+    manifest = {"key": job.key, "model": job.ref.version, "registered": job.version, "input": args.input,
+                "backend": job.ref.backend, "columns": dict(job.ref.columns), "actors": actors,
+                "batch_size": args.batch_size, "files_in": len(job.files), "code_version": code_version()}
     publish(answers, job.output, manifest, args.force)
     manifest = finished(job.output)
     manifest["seconds"] = round(time.time() - started, 2)
@@ -376,13 +378,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     result = run(job, args)
     rate = result["rows"] / max(result["seconds"], 1e-9)
-    print(f"{result['rows']} rows ({result['answered']} answered) by {job.ref.version} with {result['actors']} "
+    by = f"{job.version} ({job.ref.version})" if job.version else job.ref.version
+    print(f"{result['rows']} rows ({result['answered']} answered) by {by} with {result['actors']} "
           f"actor(s) in {result['seconds']:.1f} s ({rate:.0f} rows/s) -> {job.output}")
     if os.environ.get("MLFLOW_TRACKING_URI"):
         from core.lineage import log_prediction
 
-        run_id = log_prediction(os.environ["MLFLOW_TRACKING_URI"], "predict", job.ref.version, job.model_id,
-                                args.input, job.key, job.output,
+        run_id = log_prediction(os.environ["MLFLOW_TRACKING_URI"], "predict", job.version or job.ref.version,
+                                job.model_id, args.input, job.key, job.output,
                                 {"backend": job.ref.backend, "batch_size": args.batch_size,
                                  "actors": result["actors"], "columns": dict(job.ref.columns)},
                                 {"rows": result["rows"], "answered": result["answered"],

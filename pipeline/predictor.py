@@ -4,8 +4,9 @@ the model's own task kind: `encode_inputs` -> the export's forward in the dev me
 `answers`, the calls the registered model's pyfunc makes (core/hf_pyfunc.py) and the dev metrics run.
 
 An output row: `row_id` (the corpus stage's id of the same record: `doc_id(source, index)`), `source`, `index`,
-the kind's answer columns (its registered signature's), `model_version`, and `reason` (null when answered; why a
-record was not, e.g. a JSONL line without the field, then its answer columns are null).
+the kind's answer columns (its registered signature's), `model_version` (what the model is: `ModelRef.version`),
+and `reason` (null when answered; why a record was not, e.g. a JSONL line without the field, then its answer
+columns are null).
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ class ModelRef:
     """What an actor needs to load the model: picklable, no MLflow objects."""
 
     uri: str
-    """A model URI (models:/NAME/VERSION, models:/<id>, runs:/...), downloaded into `cache` on each node, or an HF
-    export directory every node can read."""
+    """An immutable model URI (models:/<model_id>, runs:/...: `core.lineage.PredictionModel.uri`), downloaded into
+    `cache` on each node, or an HF export directory every node can read."""
     tracking_uri: str
     cache: str
     kind: str
@@ -59,7 +60,8 @@ class ModelRef:
     outputs: tuple[tuple[str, Any], ...]
     """The answer schema as (name, Arrow type)."""
     version: str
-    """The `model_version` column: the version URI, or the directory and its digest."""
+    """The `model_version` column, what the model is: models:/<model_id> for a logged model (a registry version's),
+    else its URI at its tracking server, or the directory and its digest."""
     backend: str = "torch"
     threads: int = 0
     """torch / onnxruntime threads per actor (0: the library's default)."""

@@ -17,6 +17,7 @@ from pathlib import Path
 import mlflow
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -56,8 +57,8 @@ def vocab_dir(news_jsonl, tmp_path_factory) -> Path:
     return out
 
 
-def _random(model: torch.nn.Module) -> torch.nn.Module:
-    torch.manual_seed(1)
+def _random(model: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
+    torch.manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -68,6 +69,16 @@ def _ours(model, tok, texts, pairs=None) -> torch.Tensor:
     enc = tok(list(texts), None if pairs is None else list(pairs), padding=True, return_tensors="pt")
     with torch.no_grad():
         return model(enc["input_ids"], enc["attention_mask"])["logits"]
+
+
+LABEL = [{"type": "string", "name": "label", "required": True}]
+SCORE = [{"type": "double", "name": "score", "required": True}]
+
+
+def _sequence_kind(code: Path) -> dict:
+    """log_hf_model's arguments for a classifier: the sequence kind answers for it (one prediction path)."""
+    return {"kind": "stages.finetune.kinds.sequence", "code_paths": tuple(code_tree(code)),
+            "auto": "AutoModelForSequenceClassification"}
 
 
 @pytest.fixture(scope="module")
@@ -91,17 +102,13 @@ def registered(mlflow_server, vocab_dir, tmp_path_factory):
         # the classifier's version carries its ONNX export too, as the finetune stage's champion does
         ids = np.array(AutoTokenizer.from_pretrained(str(dirs["clf"]))(REVIEWS, padding=True)["input_ids"])
         assert export_onnx(dirs["clf"], root / "clf-export" / "onnx", ids).startswith("model.onnx: logits within ")
-        code = tuple(code_tree(root / "code"))  # the sequence kind answers for a classifier (one prediction path)
-        seq = {"kind": "stages.finetune.kinds.sequence", "code_paths": code,
-               "auto": "AutoModelForSequenceClassification"}
-        label = [{"type": "string", "name": "label", "required": True}]
-        score = [{"type": "double", "name": "score", "required": True}]
+        seq = _sequence_kind(root / "code")
         uris = {
             "clf": tracker.log_hf_model(dirs["clf"], task="text-classification",
                                         input_example=pd.DataFrame({"sentence1": REVIEWS[:2]}), tags={"task": "rt"},
-                                        outputs=label + score, onnx_dir=root / "clf-export" / "onnx", **seq),
+                                        outputs=LABEL + SCORE, onnx_dir=root / "clf-export" / "onnx", **seq),
             "sts": tracker.log_hf_model(dirs["sts"], task="text-classification", input_example=PAIRS,
-                                        outputs=score, **seq),
+                                        outputs=SCORE, **seq),
             "mlm": tracker.log_hf_model(dirs["mlm"], task="fill-mask",
                                         input_example={"text": ["The president of the United [MASK] said."]}),
             "enc": tracker.log_hf_model(dirs["enc"], task="feature-extraction", input_example={"text": REVIEWS[:1]}),
@@ -110,6 +117,30 @@ def registered(mlflow_server, vocab_dir, tmp_path_factory):
             assert tracker.register_model(f"deberta-debug-{key}", model_uri=uri, alias="champion",
                                           tags={"sweep": "test"}) == "1"
         yield tracker, models, dirs, uris
+
+
+@pytest.fixture(scope="module")
+def second_store(vocab_dir, tmp_path_factory):
+    """A second `mlflow server` (its own sqlite and artifacts) holding another classifier as deberta-debug-clf/1
+    @champion, as a second team's registry or a registry recreated after a wipe does; yields (its tracking URI, the
+    version's logged-model URI)."""
+    from tests.conftest import MlflowServer
+
+    root = tmp_path_factory.mktemp("second-store")
+    server = MlflowServer(root)
+    server.start()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", server.uri)
+        tracker = Lineage(root / "wd").start("test", {"preset": "debug"}, ["finetune"]).child("finetune")
+        model = _random(DebertaForSequenceClassification(debug(vocab_size=ROWS), num_labels=2,
+                                                         classifier_dropout=0.1), seed=2)
+        clf = hf.save_pretrained(model, root / "clf", vocab_dir=vocab_dir, labels=LABELS, model_max_length=64)
+        uri = tracker.log_hf_model(clf, task="text-classification", outputs=LABEL + SCORE,
+                                   input_example=pd.DataFrame({"sentence1": REVIEWS[:2]}),
+                                   **_sequence_kind(root / "code"))
+        assert tracker.register_model("deberta-debug-clf", model_uri=uri, alias="champion") == "1"
+    yield server.uri, uri
+    server.stop()
 
 
 def test_registry_holds_logged_models_of_the_run(mlflow_server, registered):
@@ -215,12 +246,17 @@ def test_unknown_registry_version_is_one_message(mlflow_server, registered, tmp_
 
 
 @pytest.mark.ray
-def test_batch_predictions_are_the_registered_models(mlflow_server, registered, news_subset, ray_local, tmp_path,
-                                                     monkeypatch, capsys):
+def test_batch_predictions_are_the_registered_models(mlflow_server, registered, second_store, news_subset, ray_local,
+                                                     tmp_path, monkeypatch, capsys):
     """`python -m pipeline.predict` over 300 real news articles with the registered classifier (the entry point
     called in this process, on the session's Ray): every record answered, a sample equal to the registered model's
-    own `pyfunc.predict`, the version recorded in the output and in an MLflow run, and the re-run a no-op."""
-    from pipeline.predict import main
+    own `pyfunc.predict`, the logged model named in the output and the version in an MLflow run, and the re-run a
+    no-op. With a second store's deberta-debug-clf/1 and the same --cache, the answers are that store's model's, and
+    the first store's output is not taken for them; a cached copy whose files changed is downloaded again."""
+    from core.artifacts import file_digest
+    from core.lineage import download_model
+    from pipeline.predict import build_parser, main, plan
+    from pipeline.predictor import Predictor, read_rows
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     corpus, out = news_subset(300), tmp_path / "predictions"
@@ -231,7 +267,7 @@ def test_batch_predictions_are_the_registered_models(mlflow_server, registered, 
     got = pd.read_parquet(out)  # the marker and manifest are `_` files, which Parquet readers skip
     texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
     assert sorted(got["index"]) == list(range(len(texts))) and got["reason"].isna().all()
-    assert set(got["model_version"]) == {"models:/deberta-debug-clf/1"}
+    assert set(got["model_version"]) == {registered[3]["clf"]}  # models:/<model_id>: what the model is
     sample = got.sort_values("index").iloc[::15]
     served = mlflow.pyfunc.load_model("models:/deberta-debug-clf@champion").predict(
         pd.DataFrame({"sentence1": [texts[i] for i in sample["index"]]}))
@@ -255,6 +291,28 @@ def test_batch_predictions_are_the_registered_models(mlflow_server, registered, 
     assert list(by_onnx["label"]) == list(by_torch["label"])
     assert by_onnx["score"].tolist() == pytest.approx(by_torch["score"].tolist(), abs=1e-5)
 
+    other_uri, other_model = second_store
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", other_uri)
+    capsys.readouterr()
+    assert main(argv) == 2 and "holds predictions of another input or model" in capsys.readouterr().err
+    job = plan(build_parser().parse_args([*argv[:4], str(tmp_path / "other"), *argv[5:]]))
+    rows = next(read_rows(pa.table({"path": [str(corpus)]}), job.ref, 16))  # the actors' own calls, without Ray
+    answers = Predictor(job.ref)(rows).to_pandas()
+    served = mlflow.pyfunc.load_model("models:/deberta-debug-clf@champion").predict(
+        pd.DataFrame({"sentence1": texts[:16]}))
+    assert list(answers["label"]) == list(served["label"])
+    assert answers["score"].tolist() == pytest.approx(served["score"].tolist(), abs=1e-6)
+    assert set(answers["model_version"]) == {other_model}
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    first = download_model("models:/deberta-debug-clf@champion", mlflow_server, tmp_path / "cache")
+    (first.hf / "model.safetensors").write_bytes(b"rewritten in place")
+    capsys.readouterr()
+    again = download_model("models:/deberta-debug-clf@champion", mlflow_server, tmp_path / "cache")
+    said = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("cache: ")]
+    assert len(said) == 1 and "model.safetensors no longer matches the digest" in said[0], said
+    assert file_digest(again.hf / "model.safetensors") == file_digest(registered[2]["clf"] / "model.safetensors")
+
 
 def test_batch_prediction_refusals_are_one_line(mlflow_server, registered, news_subset, tmp_path, monkeypatch,
                                                 capsys):
@@ -270,6 +328,8 @@ def test_batch_prediction_refusals_are_one_line(mlflow_server, registered, news_
                                                         "name the input's field with --column sentence1=FIELD"),
         (["models:/deberta-debug-clf@champion", *base, "--column", "label=text"],
          "the model does not read a column 'label'; it reads ['sentence1']"),
+        ([str(registered[2]["clf"]), *base, "--column", "label=text"],  # an HF directory: its kind's columns
+         "it reads ['sentence1'] (and optionally ['sentence2'])"),
         (["models:/deberta-debug-clf/7", *base], "'deberta-debug-clf' has no version 7"),
         (["models:/deberta-debug-mlm@champion", *base], "is a pretrained model (fill-mask), which answers no task"),
         (["models:/deberta-debug-clf@champion", *base[:1], str(tmp_path / "none.jsonl"), *base[2:]],

@@ -125,6 +125,11 @@ class TaskKind:
     """The transformers pipeline tag of its registered model (the MLflow logged model's type and model card)."""
     hf_auto = ""
     """The transformers auto class its export loads with (e.g. "AutoModelForTokenClassification")."""
+    input_columns: tuple[str, ...] = ()
+    """The columns its registered model reads, in order (`input_example`'s, less `optional_columns` a task lacks);
+    what `pipeline.predict` asks of an input for an HF directory of its head, which carries no signature."""
+    optional_columns: tuple[str, ...] = ()
+    """Columns read when given (the second text of a pair task)."""
     labels_per_position = False
     """Whether `Encoded.label` holds a label per position of `ids` (trimmed with them in a batch)."""
     baseline_aliases: tuple[str, ...] = ()

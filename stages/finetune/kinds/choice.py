@@ -167,6 +167,7 @@ class ChoiceKind(TaskKind):
     metrics = ("accuracy",)
     pyfunc_task = "multiple-choice"
     hf_auto = "AutoModelForMultipleChoice"
+    input_columns = ("context", "question", "options")
     builtins = BUILTINS
     answer_columns = ("answer", "choice", "score")
 

@@ -317,6 +317,8 @@ class SequenceKind(TaskKind):
     metrics = (*CLASSIFICATION_METRICS, *REGRESSION_METRICS)
     pyfunc_task = "text-classification"
     hf_auto = "AutoModelForSequenceClassification"
+    input_columns = ("sentence1",)
+    optional_columns = ("sentence2",)
     builtins = {"rotten-tomatoes": rotten_tomatoes, "lee-sts": lee_sts}
     baseline_aliases = ("majority_baseline",)  # the constant predictor's score, under its first name
 

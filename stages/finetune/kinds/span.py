@@ -248,6 +248,7 @@ class SpanKind(TaskKind):
     metrics = METRICS
     pyfunc_task = "question-answering"
     hf_auto = "AutoModelForQuestionAnswering"
+    input_columns = ("question", "context")
 
     def num_labels(self, task: TaskRef) -> int:
         return 2  # start and end

@@ -246,6 +246,7 @@ class TokenKind(TaskKind):
     metrics = METRICS
     pyfunc_task = "token-classification"
     hf_auto = "AutoModelForTokenClassification"
+    input_columns = ("text",)
     builtins = BUILTINS
     labels_per_position = True
 
