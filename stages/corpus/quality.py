@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from core.corpus_filters import BY_NAME, GROUPS, LINE, RULES
+from core.corpus_filters import BY_NAME, LINE, RULES
 
 LINE_BREAK = "\r\n|[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]"  # what str.splitlines splits on
 SPACE = r"[\s\pZ]"
