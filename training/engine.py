@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -89,8 +90,18 @@ def _disable_shm_comm_op() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def name_the_accelerator(use_gpu: bool) -> None:
+    """Before DeepSpeed's first import in a process that computes on the CPU (use_gpu=false) and sees no GPU:
+    DeepSpeed picks its accelerator at import and, finding no GPU, takes the CPU with a warning that it could not
+    detect one; `DS_ACCELERATOR` (unless the user set it) names the CPU instead. Where a GPU is visible DeepSpeed
+    finds it, as before."""
+    if not use_gpu and not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def init_distributed(backend: str) -> None:
     """DeepSpeed's comm layer on the process group the launcher (Ray Train, or env vars) describes."""
+    name_the_accelerator(backend == "nccl")
     import deepspeed
 
     if backend == "gloo":
@@ -377,6 +388,7 @@ def consolidated_state_dict(checkpoint_dir: Path, tag: str, ds_config: DeepSpeed
         module = torch.load(Path(checkpoint_dir) / tag / "mp_rank_00_model_states.pt", map_location="cpu",
                             weights_only=False)["module"]
         return {k: v.float() for k, v in module.items()}
+    name_the_accelerator(ds_config.use_gpu)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     with contextlib.redirect_stdout(io.StringIO()):  # it prints a line per shard

@@ -171,7 +171,8 @@ def _ingest(raw: RawCorpus, cfg: CorpusConfig, fp: ingest.Fingerprinter, cpus: i
         item["rank"] = rank
     blocks = (ray.data.from_items(items, override_num_blocks=read_tasks)
               .map_batches(ingest.read_files, batch_size=1, batch_format="pyarrow", num_cpus=0,
-                           concurrency=min(cpus, read_tasks), fn_kwargs={"opts": cfg, "batch_rows": cfg.batch_size})
+                           compute=ray.data.TaskPoolStrategy(size=min(cpus, read_tasks)),
+                           fn_kwargs={"opts": cfg, "batch_rows": cfg.batch_size})
               .map_batches(ingest.fingerprint_block, batch_size=None, batch_format="pyarrow", num_cpus=1,
                            fn_kwargs={"fp": fp, "stage": str(stage), "batch_rows": cfg.batch_size})
               .take_all())  # one row per block

@@ -3,24 +3,34 @@ of every source, and the checks `--dry-run` and the real run both make (`check_i
 `check_inputs=`).
 
 A file's type is known from its name (`ingest.file_kind`), so a corpus the stage cannot read is refused here rather
-than after Ray has started. How many documents a small corpus holds is counted by reading it (plain local files
-only, and only up to what the check needs), so a validation split that will be empty is said before the run.
+than after Ray has started. The text setting is checked against each JSONL file's first record and each Parquet
+file's schema (read through the same file-system seam as the stage, compressed or remote alike): a field or column
+that is not there is a setting to fix, not a few bad records. How many documents a small corpus holds is counted
+by reading it (plain local files only, and only up to what the check needs), so a validation split that will be
+empty is said before the run.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from core.errors import StageInputError
-from core.storage import is_uri
+from core.storage import filesystem, is_uri
 from stages.corpus.ingest import COMPRESSION, FORMATS, file_kind
 
 if TYPE_CHECKING:
     from core.config import CorpusConfig
 # `raw` below is a stages.corpus.RawCorpus (sources, patterns, blend, ranks); not imported: the package imports this.
 
+FIRST_RECORD_CHUNK = 64 << 10
+OPENS_AT_ONCE = 16  # files whose first record is read at a time: an object store answers each open in ~50 ms
 READABLE = (f"{', '.join(sorted(FORMATS))} (optionally compressed: {', '.join(sorted(COMPRESSION))}, "
             f"not around .parquet)")
 
@@ -61,8 +71,6 @@ def _count_in(path: str, fmt: str, txt_mode: str, limit: int) -> int | None:
     if is_uri(path) or file_kind(path)[1] is not None:
         return None
     if fmt == "parquet":
-        import pyarrow.parquet as pq
-
         try:
             return pq.ParquetFile(path).metadata.num_rows
         except Exception:  # an unreadable file is the stage's to reject, with its reason
@@ -95,6 +103,69 @@ def count_documents(raw, cfg: "CorpusConfig", limit: int) -> int | None:
     return n
 
 
+def _first_line(stream, limit: int) -> bytes | None:
+    """The first non-blank line of a byte stream (without its newline), read a chunk at a time; None when the stream
+    holds none, or runs past `limit` bytes (corpus.max_doc_bytes: the stage rejects such a line) before it ends."""
+    head = bytearray()
+    while True:
+        chunk = stream.read(FIRST_RECORD_CHUNK)
+        start = len(head)
+        head += chunk
+        while (nl := head.find(b"\n", start)) >= 0:
+            if head[:nl].strip():
+                return bytes(head[:nl])
+            del head[:nl + 1]  # a blank line is no record (as the stage reads it)
+            start = 0
+        if not chunk:
+            return bytes(head) if head.strip() else None
+        if len(head) > limit:
+            return None
+
+
+def _text_setting_misses(path: str, cfg: "CorpusConfig") -> str | None:
+    """Why `path` has no text where the settings look for it, from its first record (JSONL) or its schema (Parquet);
+    None when it has, or when that cannot be told (unreadable, not JSON, a record over max_doc_bytes): the stage
+    then rejects the file's records with their reasons, as it does records further in that lack the field."""
+    fmt, codec = file_kind(path)
+    if fmt not in ("jsonl", "parquet"):
+        return None
+    try:
+        fs, fs_path = filesystem(path)
+        if fmt == "parquet":
+            schema = pq.read_schema(fs_path, filesystem=fs)
+            if cfg.parquet_column in schema.names:
+                return None
+            texts = [f.name for f in schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
+            return _misses(path, "column", cfg.parquet_column, schema.names, texts, "corpus.parquet_column")
+        with fs.open_input_stream(fs_path, compression=codec) as stream:
+            line = _first_line(stream, cfg.max_doc_bytes)
+        record = json.loads(line.decode("utf-8-sig")) if line is not None else None
+    except (OSError, ValueError, EOFError, pa.ArrowException):  # unreadable, not JSON: the stage says why, per file
+        return None
+    if not isinstance(record, dict) or cfg.jsonl_field in record:
+        return None
+    texts = sorted((k for k, v in record.items() if isinstance(v, str)), key=lambda k: -len(record[k]))  # longest first
+    return _misses(path, "field", cfg.jsonl_field, list(record), texts, "corpus.jsonl_field")
+
+
+def _misses(path: str, what: str, name: str, names: list[str], texts: list[str], setting: str) -> str:
+    """One line: the file, what it lacks, what it holds, and the setting to change (naming a text field it has)."""
+    where = f"corpus file {path}: its first record" if what == "field" else f"corpus file {path}"
+    return (f"{where} has no {what} {name!r} ({what}s: {', '.join(map(str, names)) or 'none'}); set {setting} to "
+            f"the {what} holding the text, e.g. --set {setting}={texts[0] if texts else 'NAME'}")
+
+
+def check_text_settings(raw, cfg: "CorpusConfig") -> None:
+    """StageInputError naming the first JSONL/Parquet file without the configured text field or column (and how
+    many more lack it), from every file's first record or schema."""
+    paths = [p for p, _, _ in raw.sources]
+    with ThreadPoolExecutor(OPENS_AT_ONCE) as pool:
+        misses = [m for m in pool.map(lambda p: _text_setting_misses(p, cfg), paths) if m is not None]
+    if misses:
+        more = f" (and {len(misses) - 1} more file(s) like it)" if len(misses) > 1 else ""
+        raise StageInputError(misses[0] + more)
+
+
 def check_inputs(cfg: "CorpusConfig", *, listing: dict, planned: frozenset[str]) -> list[str]:
     """Refuse a corpus the stage cannot read (no file of a readable type, in the whole corpus or in one named
     source) or one whose validation split will be empty when pretraining needs it; warn of skipped files."""
@@ -112,6 +183,7 @@ def check_inputs(cfg: "CorpusConfig", *, listing: dict, planned: frozenset[str])
         if unreadable:
             warnings.append(f"{where}: {len(unreadable)} of {len(files)} files are of an unreadable type and are "
                             f"skipped (e.g. {unreadable[0]}); the corpus stage reads {READABLE}")
+    check_text_settings(raw, cfg)
     need = math.ceil(1 / cfg.validation_fraction)
     docs = count_documents(raw, cfg, need)
     if docs is not None and docs < need:

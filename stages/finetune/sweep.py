@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
+import os
 import pickletools
 import time
 from pathlib import Path
@@ -211,6 +212,10 @@ def run_sweep(cfg: FinetuneConfig, setup: "TrialSetup", data: tuple[Encoded, Enc
     if cfg.scheduler == "asha":  # grace 1 epoch, halve at each rung; time unit = epochs (one report each)
         scheduler = ASHAScheduler(time_attr="training_iteration", max_t=cfg.epochs, grace_period=1,
                                   reduction_factor=2)
+    # A trial keeps one checkpoint (num_to_keep=1), so Tune snapshots the experiment state after each epoch's
+    # checkpoint: a restore never names a deleted one. Its warning when two snapshots fall within 5 s fires on every
+    # short epoch and offers only more kept checkpoints or fewer of them; its slow-snapshot warning (30 s) stays on.
+    os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     run_config = tune.RunConfig(
         storage_path=storage_path, name=name, callbacks=callbacks or [], verbose=1,
         checkpoint_config=tune.CheckpointConfig(num_to_keep=1, checkpoint_score_attribute=metric,

@@ -349,6 +349,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 f"{'GPU' if cfg.use_gpu else 'CPU'} {engine.precision}{', compiled' if engine.compiled else ''}, "
                 f"attention {job.model.attn_impl}, accumulation {accum}; config "
                 + json.dumps({"pretrain": asdict(cfg), "deepspeed": job.ds_config.to_dict()}, sort_keys=True))
+    cost = precision.emulated_cost("pretrain.precision", cfg.precision, cfg.use_gpu)
+    if cost is not None:
+        rank0.print(f"warning: {cost}")
     state = restore(engine, rank0, rank, world, job.run_dir)
     log_sources(job, rank0, rank, world, accum)
     val_batches = validation_batches(job, rank, world)

@@ -4,11 +4,14 @@ entry point's own `main` in this process, stopping before Ray: seconds in all.""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import pipeline_main
@@ -33,6 +36,9 @@ def corpora(news_subset, tmp_path_factory) -> dict[str, Path]:
     (root / "one.jsonl").write_text(json.dumps({"text": "One short document, far too small to pretrain on."}) + "\n")
     (root / "short.jsonl").write_text("".join(json.dumps({"text": f"document {i} is short."}) + "\n"
                                               for i in range(40)))
+    with gzip.open(root / "content.jsonl.gz", "wt") as f:  # the text under another field, as many dumps hold it
+        f.write("\n" + "".join(json.dumps({"id": i, "content": line}) + "\n" for i, line in enumerate(text[:2])))
+    pq.write_table(pa.table({"id": [0, 1], "body": text[:2]}), root / "body.parquet")
     return {p.name.split(".")[0]: p for p in root.iterdir()}
 
 
@@ -84,10 +90,15 @@ MISTAKES = [
      "pretrain.use_gpu=true asks for 32 GPUs but the Ray cluster has 0"),
     (["--corpus", "{a}", "--until", "pretrain", "--set", "pretrain.probes=no-such-task"],
      "task 'no-such-task' is neither a built-in"),
+    (["--corpus", "file://{content}"], "content.jsonl.gz: its first record has no field 'text' (fields: id, content); "
+                                       "set corpus.jsonl_field to the field holding the text, e.g. --set "
+                                       "corpus.jsonl_field=content"),
+    (["--corpus", "{body}"], "body.parquet has no column 'text' (columns: id, body); set corpus.parquet_column"),
     ]
 NAMES = ["readme-only", "one-document", "vocab-too-large", "force-unknown", "only-on-empty", "force-outside-until",
          "force-outside-only", "task-twice", "task-flag-twice", "task-not-planned", "empty-dir", "proc-workdir",
-         "s3-no-credentials", "gpu-preset-on-cpu", "probe-not-a-task"]
+         "s3-no-credentials", "gpu-preset-on-cpu", "probe-not-a-task", "jsonl-field-elsewhere",
+         "parquet-column-elsewhere"]
 ONCE = {"s3-no-credentials"}
 """Cases run as a dry run only: the same listing refuses them in both, and the store's retries take seconds."""
 

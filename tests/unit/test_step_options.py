@@ -55,6 +55,18 @@ def test_precision_auto_takes_bf16_on_gpu_and_on_cpu_only_where_measured_faster(
     assert precision.autocast_dtype("bf16", use_gpu=False, deepspeed=True) == torch.bfloat16
 
 
+def test_bf16_asked_for_on_a_cpu_that_emulates_it_says_what_it_costs():
+    """One line when bf16 is asked for explicitly on a CPU without native bf16; nothing for `auto` or fp32 there,
+    for a GPU, or for a CPU with native bf16 (this one, when `cpu_has_bf16()` says so)."""
+    line = precision.emulated_cost("pretrain.precision", "bf16", use_gpu=False, native=False)
+    assert line is not None and line.startswith("pretrain.precision=bf16 on a CPU without native bf16"), line
+    assert "14x slower than fp32" in line and line.endswith("pretrain.precision=auto takes fp32 on this CPU"), line
+    quiet = [("auto", False, False), ("fp32", False, False), ("bf16", True, False), ("bf16", False, True)]
+    assert all(precision.emulated_cost("pretrain.precision", *case) is None for case in quiet)
+    here = precision.emulated_cost("pretrain.precision", "bf16", use_gpu=False)
+    assert (here is None) == precision.cpu_has_bf16()
+
+
 @pytest.mark.parametrize("asked, activation", [("bf16", torch.bfloat16), ("fp32", torch.float32)])
 def test_the_torch_engine_computes_in_the_asked_precision_over_fp32_weights(asked, activation):
     cfg = debug(vocab_size=300)
