@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from core.corpus_filters import language_codes, resolve as resolve_filters
 from core.corpus_sources import CorpusSource, check_sources
 from core.errors import ConfigError
 from deberta.config import DebertaConfig, DebertaConfigError
@@ -160,8 +161,25 @@ class CorpusConfig(Section):
     """Seed of the MinHash permutations."""
     batch_size: int = 512
     """Documents per Ray Data batch in the corpus stage (bounds each worker's memory)."""
+    filters: tuple[str, ...] = ()
+    """Quality rules removing documents before dedup (`core.corpus_filters`: Gopher, Rae et al. 2021; C4, Raffel et
+    al. 2020; FineWeb, Penedo et al. 2024), read left to right: a group (`gopher_repetition`, `gopher_quality`, `c4`,
+    `fineweb`, `all`) at datatrove's published thresholds, `RULE=VALUE` to set one, `RULE=off` or `GROUP=off`;
+    e.g. `all,c4=off,gopher_min_words=20`. Empty: none. The paper-size presets ingest users' web text and turn on
+    `all`; the CPU presets' built-in news corpus (a title line, then the article as one line) would lose 65% of its
+    3,824 articles to them (C4's sentence count and FineWeb's line punctuation see two lines without a full stop),
+    so they keep none."""
+    languages: tuple[str, ...] = ()
+    """Keep only documents whose most likely language (py3langid, ISO 639-1 codes, e.g. `en`) is one of these with
+    probability >= `language_threshold`; empty: no language identification."""
+    language_threshold: float = 0.65
+    """The probability the top language needs (datatrove's LanguageFilter default)."""
 
     HOW: ClassVar[frozenset[str]] = frozenset({"sources"})
+
+    def what(self) -> dict[str, Any]:
+        """The rules by what they resolve to, so `all` and the list of its rules name one artifact."""
+        return {**super().what(), "filters": resolve_filters(self.filters)}
 
     def blend(self) -> tuple[CorpusSource, ...]:
         """`sources` parsed, in the order listed (ConfigError on a malformed one)."""
@@ -176,6 +194,12 @@ class CorpusConfig(Section):
                f"corpus.validation_fraction={self.validation_fraction}: must be in (0, 1)")
         _check(self.num_perm >= 16, f"corpus.num_perm={self.num_perm}: use at least 16 permutations")
         _positive("corpus", self, "shingle_size", "rows_per_shard", "max_doc_bytes", "batch_size")
+        resolve_filters(self.filters)
+        _check(0.0 <= self.language_threshold < 1.0,
+               f"corpus.language_threshold={self.language_threshold}: must be in [0, 1)")
+        unknown = [code for code in self.languages if code not in language_codes()] if self.languages else []
+        _check(not unknown, f"corpus.languages={','.join(self.languages)}: {', '.join(unknown)} is not a language "
+                            f"py3langid knows; use its ISO 639 codes, e.g. en, de, fr, es, zh")
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ components of the confirmed pairs, one survivor per component (the smallest doc_
 depends on neither worker count nor block order). The Ray steps, this module's orchestration:
 
     sources --map_batches(ingest.read_files, ingest.fingerprint_block)--> staged blocks
-                  (each block's documents and fingerprints written once to an Arrow file; one row per block back)
-    staged  --stream(shard.rejected_rows)--> rejected.parquet, and the corpus's text bytes
+                  (the quality rules and language identification first, `quality`, so dedup never reads what they
+                  remove; each block's documents and fingerprints written once to an Arrow file; one row per block back)
+    staged  --stream(audit.audit_rows)--> rejected.parquet, filtered.parquet, the corpus's text bytes
     staged  --dedup: band rows, exchange 1 (buckets), driver--> candidate pairs
     staged  --dedup: exchange 2 (the candidates' text only; confirm)--> removals
     staged  --map_batches(shard.split_rows).write_parquet--> train/, validation/
@@ -16,7 +17,8 @@ Nothing per document stays in the object store: the staged files hold the docume
 (ids, text hash, band keys), the exchanges (`exchange`, a round at a time) move band rows and candidate
 documents, and the text of the kept documents streams from the staged files to the output a block at a time.
 
-Modules: `ingest` (listing and reading files, fingerprints), `minhash` (the numpy kernels),
+Modules: `ingest` (listing and reading files, fingerprints), `quality` (the rules, vectorised over a batch),
+`audit` (what was rejected or filtered, and why), `minhash` (the numpy kernels),
 `dedup` (buckets, candidate graph, confirmation, components; its docstring says what bounds memory),
 `exchange` (the all-to-all step on Ray tasks),
 `shard` (split and Parquet outputs), `report` (report.json, examples.json, dedup.png).
@@ -44,12 +46,14 @@ import pyarrow.compute as pc
 
 from core.errors import StageInputError
 from stages.base import StageContext, StageResult
-from stages.corpus import by_source, dedup, exchange, ingest, report, shard
+from stages.corpus import audit, by_source, dedup, exchange, ingest, report, shard
 from stages.corpus.ingest import doc_id, list_sources, read_file
 from stages.corpus.listing import check_inputs, dry_run
 from stages.corpus.minhash import MinHasher, lsh_params
+from stages.corpus.quality import Filters
 from stages.corpus.shard import is_validation
 
+from core.corpus_filters import resolve as resolve_filters
 from core.corpus_sources import CorpusSource
 
 if TYPE_CHECKING:
@@ -58,7 +62,7 @@ if TYPE_CHECKING:
 __all__ = ["VERSION", "RawCorpus", "Source", "check_inputs", "dry_run", "list_sources", "read_file", "doc_id",
            "is_validation", "run"]
 
-VERSION = "4"
+VERSION = "5"
 
 MAX_READ_TASKS = 4096
 BLOCK_BYTES = 12 << 20
@@ -330,7 +334,10 @@ def run(cfg: CorpusConfig, *, inputs: dict, out: Path, ctx: StageContext) -> Sta
                                                 kept_doc_id is always a document of train/ or validation/
         near_pairs.parquet                      a, b, similarity: every confirmed near-duplicate pair
         rejected.parquet                        path, reason (unreadable files, undecodable or oversized records)
+        filtered.parquet                        doc_id, path, source, rule, value, language: every document a
+                                                quality rule or language identification removed, and why
         report.json, examples.json, dedup.png   counts, bytes, timings, the dedup distributions; a few pairs
+        filters.png                             documents removed by rule and source
         sources.json                            named sources only: per source its spec and documents (`by_source`)
     """
     with _data_context():
@@ -349,20 +356,24 @@ def _run(cfg: CorpusConfig, raw: RawCorpus, out: Path) -> StageResult:
 
     bands, rows = lsh_params(cfg.threshold, cfg.num_perm)
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-    fp = ingest.Fingerprinter(MinHasher(cfg.num_perm, cfg.seed, cfg.shingle, cfg.shingle_size), bands, rows)
+    filters = Filters(tuple(resolve_filters(cfg.filters).items()), cfg.languages, cfg.language_threshold)
+    fp = ingest.Fingerprinter(MinHasher(cfg.num_perm, cfg.seed, cfg.shingle, cfg.shingle_size), bands, rows, filters)
     stage = out / STAGED
     stage.mkdir()
     sources = raw.sources
     files, n_docs = _ingest(raw, cfg, fp, cpus, stage)
     lap("ingest_s")
-    n_rejected, text_bytes = shard.write_rejected(
-        _staged(files, ("source", "reason", "nbytes")).map_batches(shard.rejected_rows, batch_format="pyarrow"),
-        out / "rejected.parquet")
+    audited = audit.write(_staged(files, audit.COLUMNS).map_batches(
+        audit.audit_rows, batch_format="pyarrow", fn_kwargs={"names": raw.names()}), out)
+    n_rejected, n_filtered, text_bytes = audited.rejected, audited.filtered, audited.text_bytes
     if n_rejected == n_docs:
         shard.raise_no_documents(out, len(sources))
+    audit.check_left(audited)
+    for line in audit.warnings(audited):
+        print(f"[corpus] {line}", flush=True)
     lap("rejected_s")
     found = _find_duplicates(files, dedup.Params(bands, cfg.shingle, cfg.shingle_size, cfg.threshold),
-                             n_docs - n_rejected, text_bytes, cpus, lap)
+                             n_docs - n_rejected - n_filtered, text_bytes, cpus, lap)
     if raw.blend:  # before the splits: a source dedup leaves empty stops the stage with nothing written there
         read = by_source.readable(files, len(raw.blend))
         kept = by_source.check_kept(raw.blend, read, found.removed[0])
@@ -374,19 +385,26 @@ def _run(cfg: CorpusConfig, raw: RawCorpus, out: Path) -> StageResult:
     shard.write_near_pairs(out / "near_pairs.parquet", found.near.edges)
     lap("write_s")
     counts = report.counts(len(sources), n_docs, n_rejected, n_split, found.exact.num_rows,
-                           found.near.removed.num_rows, found.near.edges.num_rows, found.picture)
+                           found.near.removed.num_rows, found.near.edges.num_rows, found.picture, n_filtered)
     timings["total_s"] = round(sum(timings.values()), 3)
     body = report.build(cfg, sources, counts, timings, text_bytes, bands, rows, dedup.MAX_BUCKET)
+    body["filters"] = {"rules": resolve_filters(cfg.filters), **audited.summary()}
     if raw.blend:
-        body["sources"] = by_source.write(out, raw.blend, raw.ranks, read, kept)
+        body["sources"] = by_source.write(out, raw.blend, raw.ranks, read, kept,
+                                          [audited.removed_from(s.name) for s in raw.blend])
     logged = report.write(out, body, found.picture, found.exact, found.near.edges, snippets)
     logged += (by_source.SOURCES,) if raw.blend else ()
+    audit.plot(audited, out / audit.PLOT)
+    logged += (audit.PLOT,)
     metrics = {
         "duplicate_fraction": (counts["exact_duplicates_removed"] + counts["near_duplicates_removed"]) / n_docs,
         "rejected_fraction": n_rejected / n_docs,
+        "filtered_fraction": n_filtered / n_docs,
+        **audited.metrics(),
         "documents_per_s": n_docs / max(timings["total_s"], 1e-9),
         **{f"time_{k}": v for k, v in timings.items()},
     }
-    summary = (f"{counts['documents_out']} of {n_docs} documents kept ({counts['exact_duplicates_removed']} exact "
-               f"and {counts['near_duplicates_removed']} near duplicates removed, {n_rejected} rejected)")
+    summary = (f"{counts['documents_out']} of {n_docs} documents kept ({n_filtered} removed by the filters, "
+               f"{counts['exact_duplicates_removed']} exact and {counts['near_duplicates_removed']} near duplicates "
+               f"removed, {n_rejected} rejected)")
     return StageResult(metrics=metrics, counts=counts, log_files=logged, summary={"corpus": summary})

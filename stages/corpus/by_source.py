@@ -62,10 +62,11 @@ def check_kept(blend: Sequence[CorpusSource], read: np.ndarray, removed_hi: np.n
 
 
 def write(out: Path, blend: Sequence[CorpusSource], ranks: Sequence[int], read: np.ndarray,
-          kept: np.ndarray) -> list[dict]:
-    """sources.json: per source, in the order listed, its spec and its documents (read, removed as duplicates,
-    kept in each split); what the tokenize stage hands on to pretraining's blend. StageInputError naming a source
-    with no train document."""
+          kept: np.ndarray, filtered: Sequence[int] = ()) -> list[dict]:
+    """sources.json: per source, in the order listed, its spec and its documents (read, removed by the quality
+    filters, removed as duplicates, kept in each split); what the tokenize stage hands on to pretraining's blend.
+    `read`: readable documents the filters kept. StageInputError naming a source with no train document."""
+    filtered = np.asarray(filtered or [0] * len(blend), np.int64)
     per_split = {}
     for split in ("train", "validation"):
         names = pq.read_table(out / split, columns=[COLUMN]).column(COLUMN)
@@ -77,7 +78,8 @@ def write(out: Path, blend: Sequence[CorpusSource], ranks: Sequence[int], read: 
                                   f"left after dedup all fell in the validation split; add documents to it or drop it")
     files = np.bincount(np.asarray(ranks, np.int64), minlength=len(blend))
     rows = [{"name": s.name, "path": s.path, "weight": s.weight, "epochs": s.epochs, "files": int(files[r]),
-             "documents_read": int(read[r]), "duplicates_removed": int(read[r] - kept[r]),
+             "documents_read": int(read[r] + filtered[r]), "filtered": int(filtered[r]),
+             "duplicates_removed": int(read[r] - kept[r]),
              "train_documents": per_split["train"].get(s.name, 0),
              "validation_documents": per_split["validation"].get(s.name, 0)}
             for r, s in enumerate(blend)]

@@ -37,6 +37,7 @@ import xxhash
 from core.errors import StageInputError
 from core.storage import filesystem, is_uri, split_uri, store_fix
 from stages.corpus.minhash import MinHasher, band_keys, normalize
+from stages.corpus.quality import Filters, first_rule, languages
 
 if TYPE_CHECKING:
     from core.config import CorpusConfig
@@ -503,14 +504,48 @@ class Fingerprinter:
     hasher: MinHasher
     bands: int
     rows: int
+    filters: Filters = Filters()
+
+
+FILTERED = "removed by a corpus filter"
+"""The `reason` of a document a rule removed (its `rule` says which): like a rejection, it is not fingerprinted,
+deduplicated or written to the splits, but listed in filtered.parquet rather than rejected.parquet."""
+
+
+def apply_filters(batch: pa.Table, filters: Filters) -> pa.Table:
+    """Add rule (the first rule removing the document, or "language"; null: kept), value (its measure, or the top
+    language's probability) and language (the top language; null when identification is off); a removed
+    document's reason becomes FILTERED. Before fingerprinting, so dedup never reads what the rules removed."""
+    n = batch.num_rows
+    rule, value = np.full(n, None, object), np.full(n, np.nan)
+    language = np.full(n, None, object)
+    ok = np.flatnonzero(pc.is_null(batch.column("reason")).to_numpy(zero_copy_only=False))
+    texts = batch.column("text").take(pa.array(ok))
+    if filters.languages and len(ok):
+        found, prob = languages(texts.to_pylist())
+        language[ok] = found
+        off = ~np.isin(found, filters.languages) | (prob < filters.language_threshold)
+        rule[ok[off]], value[ok[off]] = "language", prob[off]
+    if filters.rules and len(ok):
+        left = np.flatnonzero(rule[ok] == None)  # noqa: E711 (elementwise): what language identification kept
+        fired, measured = first_rule(texts.take(pa.array(left)), dict(filters.rules))
+        rule[ok[left]], value[ok[left]] = fired, measured
+    removed = rule != None  # noqa: E711
+    reasons = pc.if_else(pa.array(removed), pa.scalar(FILTERED, pa.string()), batch.column("reason"))
+    return (batch.set_column(batch.schema.get_field_index("reason"), "reason", reasons)
+            .append_column("rule", pa.array(rule, pa.string()))
+            .append_column("value", pa.array(value, pa.float64(), mask=~removed))
+            .append_column("language", pa.array(language, pa.string())))
 
 
 def fingerprint(batch: pa.Table, fp: Fingerprinter) -> pa.Table:
-    """Add h_hi, h_lo (xxh3-128 of the normalised text), bands (fixed_size_list<uint64>[bands]) and nbytes.
+    """Apply the quality rules (`apply_filters`), then add h_hi, h_lo (xxh3-128 of the normalised text), bands
+    (fixed_size_list<uint64>[bands]) and nbytes.
 
-    Rejected rows keep zeros there; a document that normalises to nothing (control or format
+    Rejected and removed rows keep zeros there; a document that normalises to nothing (control or format
     characters only) becomes a rejection here, since there is nothing to keep or compare.
     """
+    batch = apply_filters(batch, fp.filters)
     n = batch.num_rows
     reasons = batch.column("reason").to_pylist()
     texts = batch.column("text").to_pylist()

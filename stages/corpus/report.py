@@ -123,17 +123,19 @@ def examples(exact: pa.Table, edges: pa.Table, snippets: dict[str, str]) -> list
 
 
 def counts(files: int, n_docs: int, n_rejected: int, n_split: dict[str, int], n_exact: int, n_near: int,
-           n_confirmed: int, picture: DedupPicture) -> dict[str, int]:
-    """The manifest's counts; every document is kept, removed or rejected exactly once (checked)."""
+           n_confirmed: int, picture: DedupPicture, n_filtered: int = 0) -> dict[str, int]:
+    """The manifest's counts; every document is kept, filtered, removed as a duplicate or rejected exactly once
+    (checked)."""
     out = {
         "files_in": files, "documents_in": n_docs, "documents_out": n_split["train"] + n_split["validation"],
         "train_documents": n_split["train"], "validation_documents": n_split["validation"],
         "exact_duplicates_removed": n_exact, "near_duplicates_removed": n_near, "rejected": n_rejected,
+        "filtered": n_filtered,
         "exact_clusters": len(picture.exact_group_sizes), "near_clusters": len(picture.near_cluster_sizes),
         "candidate_buckets": len(picture.bucket_sizes), "candidate_pairs": len(picture.candidate_similarity),
         "near_pairs_confirmed": n_confirmed,
     }
-    accounted = out["documents_out"] + n_exact + n_near + n_rejected
+    accounted = out["documents_out"] + n_exact + n_near + n_rejected + n_filtered
     if accounted != n_docs:
         raise RuntimeError(f"corpus stage lost documents: {n_docs} in, {accounted} accounted for")
     return out

@@ -6,8 +6,8 @@ of at most `corpus.rows_per_shard` rows, one row group each, then named after th
 last file of a block is shorter; with `min_rows_per_file` Ray Data bundled every block into one task, a one-core
 write whose memory grew with the corpus, and batches smaller than a block became row groups of a few hundred
 rows, each a tokenize work unit).
-rejected.parquet is streamed from the tasks to one file on the driver a batch at a time;
-duplicates.parquet and near_pairs.parquet are duplicate-shaped and written from the driver.
+rejected.parquet and filtered.parquet are `audit`'s; duplicates.parquet and near_pairs.parquet are
+duplicate-shaped and written from the driver.
 
 The split: a document is held out for validation when a seeded 64-bit hash of its doc_id falls
 below `validation_fraction`, so it depends on nothing but the id (not on workers, batches or order).
@@ -38,7 +38,6 @@ OUT_SCHEMA = pa.schema([("doc_id", pa.string()), ("text", pa.large_string()), ("
 DUP_SCHEMA = pa.schema([("doc_id", pa.string()), ("kept_doc_id", pa.string()), ("similarity", pa.float64()),
                         ("kind", pa.string())])
 PAIR_SCHEMA = pa.schema([("a", pa.string()), ("b", pa.string()), ("similarity", pa.float64())])
-REJECT_SCHEMA = pa.schema([("path", pa.string()), ("reason", pa.string())])
 
 
 def is_validation(ids: Sequence[str], fraction: float) -> np.ndarray:
@@ -69,17 +68,6 @@ def split_rows(batch: pa.Table, removed: tuple[np.ndarray, np.ndarray], fraction
     if names:
         rows = rows.append_column(COLUMN, name_column(kept.column("id_hi").to_numpy(), names))
     return rows
-
-
-def rejected_rows(batch: pa.Table) -> pa.Table:
-    """The batch's rejections (path, reason), plus one row with no reason carrying the batch's text bytes
-    (`nbytes`), so one pass yields rejected.parquet and the corpus size."""
-    bad = batch.filter(pc.is_valid(batch.column("reason")))
-    total = pa.table({"path": pa.nulls(1, pa.string()), "reason": pa.nulls(1, pa.string()),
-                      "nbytes": [int(pc.sum(batch.column("nbytes")).as_py() or 0)]})
-    rows = pa.table({"path": bad.column("source"), "reason": bad.column("reason"),
-                     "nbytes": pa.array(np.zeros(bad.num_rows, np.int64))})
-    return pa.concat_tables([rows, total.cast(rows.schema)])
 
 
 # ---------------------------------------------------------------- writing
@@ -133,21 +121,6 @@ def name_by_content(split_dir: Path) -> None:
         if target.exists():  # doc_ids are unique: two shards starting with one document is a bug, not data
             raise RuntimeError(f"two corpus shards in {split_dir} start with document {first}")
         f.rename(target)
-
-
-def write_rejected(ds, path: Path) -> tuple[int, int]:
-    """Stream the rejections (`rejected_rows` batches) to one Parquet file; returns (rejected, text bytes)."""
-    rows = text_bytes = 0
-    with pq.ParquetWriter(path, REJECT_SCHEMA) as writer:
-        for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-            batch = pa.table(batch)
-            totals = pc.is_null(batch.column("reason"))
-            text_bytes += int(pc.sum(batch.filter(totals).column("nbytes")).as_py() or 0)
-            bad = batch.filter(pc.invert(totals)).select(REJECT_SCHEMA.names).cast(REJECT_SCHEMA)
-            if bad.num_rows:
-                writer.write_table(bad)
-                rows += bad.num_rows
-    return rows, text_bytes
 
 
 def write_duplicates(path: Path, exact: pa.Table, near: pa.Table) -> int:

@@ -187,7 +187,7 @@ def test_counts_add_up_and_report_matches(first_run):
             if e[f"doc_{side}"] in kept:
                 assert e[f"text_{side}"] == kept[e[f"doc_{side}"]][:300]
             assert e[f"text_{side}"]
-    assert set(result.log_files) == {"report.json", "examples.json", "dedup.png"}
+    assert set(result.log_files) == {"report.json", "examples.json", "dedup.png", "filters.png"}
     assert (out / "dedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     picture = report["dedup"]  # the numbers behind the plot agree with the counts
     assert sum(picture["similarity_histogram"]["candidate_pairs"]) == c["candidate_pairs"]

@@ -1,0 +1,328 @@
+"""Quality rules and language identification of the corpus stage, over a batch of documents at once.
+
+The rules are Gopher's (Rae et al. 2021, App. A.1.1 and Table A1), C4's (Raffel et al. 2020, §2.2) and
+FineWeb's (Penedo et al. 2024, §3.3), as datatrove 0.10 measures them; their names and thresholds are
+`core.corpus_filters`. datatrove runs each rule per document in Python; here a batch is split once into a flat
+Arrow array of words and one of lines (pyarrow's string kernels, in C++), every measure is a numpy reduction over
+those by document (`np.bincount` on the parent index), and duplicates are found by `np.unique` over (document,
+dictionary-encoded string) keys. Where datatrove's word splitter is spaCy's tokenizer, words here are runs of
+letters, digits and marks, and each other non-space character is a word of its own (what spaCy's prefix and suffix
+rules do for English prose; contractions and abbreviations differ).
+
+A document is removed by the first rule that fires, in FineWeb's order (repetition, quality, C4, FineWeb), with
+the rule's measure as its value. The stage removes documents and never rewrites one: datatrove's C4 filter also
+drops the lines that do not count from the text it keeps, here they only decide c4_min_sentences, c4_lorem_ipsum
+and c4_curly_brace, and the text trained on is the text read.
+
+Language identification is py3langid (langid.py's naive Bayes model, which ships inside the wheel), one call per
+document: it has no batch interface, and it is the library that does the job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from core.corpus_filters import BY_NAME, LINE, RULES
+
+LINE_BREAK = "\r\n|[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]"  # what str.splitlines splits on
+SPACE = r"[\s\pZ]"
+# A word is a run of letters, digits and marks; any other visible character stands alone.
+PUNCT_ALONE = r"([^\pL\pN\pM\s\pZ])"
+SYMBOL_ONLY = r"^[\pP$+<=>^`|~]+$"  # datatrove's PUNCTUATION: a word made only of these is not counted
+STOP_WORDS = ("the", "be", "to", "of", "and", "that", "have", "with")  # Rae et al. 2021, App. A.1.1
+C4_END = r"[.?!\"']$"
+CITATION = r"\[\d*\]|\[edit\]|\[citation needed\]"
+POLICY = "terms of use|privacy policy|cookie policy|uses cookies|use of cookies|use cookies"
+# Sentence-final punctuation of the scripts langid.py covers (FineWeb's stop characters; no quotes).
+TERMINAL = "[.!?\u0589\u061f\u06d4\u0700-\u0702\u07f9\u0964\u0965\u104a\u104b\u1362\u1367\u1368\u166e\u1803" \
+           "\u1809\u203c\u203d\u2047-\u2049\u2e2e\u3002\ua4ff\ua60e\ua60f\ua6f3\ua6f7\ufe52\ufe56\ufe57\uff01" \
+           "\uff0e\uff1f\uff61]$"
+SENTENCE_BREAK = r"[.!?]+[\"'”’)\]]*[\s\pZ]+\S"  # an end of sentence with more text after it on the line
+LANGID_CHARS = 2_000  # py3langid's cost is linear in bytes; the first 2,000 characters decide a page's language
+
+
+@dataclass(frozen=True)
+class Filters:
+    """What the stage removes (picklable, sent to every Ray worker): rules on with their thresholds, and the
+    languages kept (empty: no language identification) above `language_threshold`."""
+
+    rules: tuple[tuple[str, float], ...] = ()
+    languages: tuple[str, ...] = ()
+    language_threshold: float = 0.65
+
+    @property
+    def on(self) -> bool:
+        return bool(self.rules or self.languages)
+
+
+# ---------------------------------------------------------------- splitting a batch
+
+
+@dataclass
+class Parts:
+    """A batch split into flat pieces, each with the index of its document (`*_doc`)."""
+
+    values: pa.Array
+    doc: np.ndarray  # (P,) int64, ascending
+
+    @classmethod
+    def of(cls, lists: pa.Array) -> "Parts":
+        lists = lists.combine_chunks() if isinstance(lists, pa.ChunkedArray) else lists
+        return cls(lists.flatten(), pc.list_parent_indices(lists).to_numpy().astype(np.int64))
+
+    def where(self, mask: np.ndarray) -> "Parts":
+        return Parts(self.values.filter(pa.array(mask)), self.doc[mask])
+
+    def count(self, n: int, mask: np.ndarray | None = None, weights: np.ndarray | None = None) -> np.ndarray:
+        """Per document: the pieces (where `mask`), or the sum of `weights` over them."""
+        doc = self.doc if mask is None else self.doc[mask]
+        w = None if weights is None else (weights if mask is None else weights[mask])
+        return np.bincount(doc, weights=w, minlength=n).astype(np.float64)
+
+    def lengths(self) -> np.ndarray:
+        return pc.utf8_length(self.values).to_numpy(zero_copy_only=False).astype(np.int64)
+
+    def matches(self, pattern: str, ignore_case: bool = False) -> np.ndarray:
+        return pc.match_substring_regex(self.values, pattern, ignore_case=ignore_case).to_numpy(zero_copy_only=False)
+
+
+def _splitlines(texts: pa.Array) -> Parts:
+    """str.splitlines of every text: a line break at the very end starts no line."""
+    parts = Parts.of(pc.split_pattern_regex(texts, LINE_BREAK))
+    last = np.r_[parts.doc[1:] != parts.doc[:-1], True]
+    first = np.r_[True, parts.doc[1:] != parts.doc[:-1]]
+    return parts.where(~(last & ~first & (parts.lengths() == 0)))
+
+
+def _words(texts: pa.Array) -> Parts:
+    return Parts.of(pc.utf8_split_whitespace(pc.replace_substring_regex(texts, PUNCT_ALONE, r" \1 ")))
+
+
+def _first_seen(keys: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, first): each key's id, numbered in order of first appearance (Arrow's hash table, O(N) where a sort
+    is O(N log N)), and whether this position is that first appearance."""
+    ids = pc.dictionary_encode(keys).indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    first = ids > np.r_[-1, np.maximum.accumulate(ids)[:-1]] if len(ids) else np.zeros(0, bool)
+    return ids, first
+
+
+def _repeats(parts: Parts) -> np.ndarray:
+    """(P,) bool: the piece equals an earlier piece of its document (datatrove's `find_duplicates`)."""
+    if not len(parts.doc):
+        return np.zeros(0, bool)
+    ids, _ = _first_seen(parts.values)
+    return ~_first_seen(pa.array(parts.doc * (int(ids.max()) + 1) + ids))[1]
+
+
+def _dup_fractions(parts: Parts, n: int, chars: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per document: duplicate pieces / pieces, characters in duplicate pieces / `chars`."""
+    repeat = _repeats(parts)
+    pieces = np.maximum(parts.count(n), 1)
+    return parts.count(n, repeat) / pieces, parts.count(n, repeat, parts.lengths()) / np.maximum(chars, 1)
+
+
+# ---------------------------------------------------------------- n-grams of words
+
+
+MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _ngram_keys(word_ids: np.ndarray, doc: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, keys): the positions where an n-gram of one document starts, and a 64-bit key of (document,
+    its words); keys of different n-grams collide with probability ~2^-64."""
+    starts = np.flatnonzero(doc[n - 1:] == doc[:len(doc) - n + 1]) if len(doc) >= n else np.zeros(0, np.int64)
+    key = doc[starts].astype(np.uint64) * MIX
+    with np.errstate(over="ignore"):
+        for k in range(n):
+            key = (key ^ word_ids[starts + k].astype(np.uint64)) * MIX
+            key ^= key >> np.uint64(29)
+    return starts, key
+
+
+def _ngram_measures(words: Parts, n_docs: int, text_chars: np.ndarray, top: tuple[int, ...],
+                    dup: tuple[int, ...]) -> dict[int, np.ndarray]:
+    """Gopher's n-gram repetition (Rae et al. 2021, Table A1) per document, by n:
+    top n-gram: characters of the most frequent n-gram (words joined by spaces; ties: the first seen) x its count;
+    duplicated n-grams: characters of the words covered by every n-gram that occurred before in the document
+    (overlaps counted once). Both over the text's characters."""
+    out: dict[int, np.ndarray] = {}
+    if not len(words.doc):
+        return {n: np.zeros(n_docs) for n in (*top, *dup)}
+    ids = _first_seen(words.values)[0]
+    lengths = words.lengths()
+    cum = np.r_[0, np.cumsum(lengths)]
+    for n in top:
+        starts, key = _ngram_keys(ids, words.doc, n)
+        value = np.zeros(n_docs)
+        if len(starts):
+            gram, first = _first_seen(pa.array(key))
+            count = np.bincount(gram)
+            at = starts[first]  # each distinct n-gram's first start; grouped by document, in order
+            doc = words.doc[at]
+            # Counter.most_common(1): the highest count, of those the first seen (the smallest id)
+            score = count * (len(count) + 1) - np.arange(len(count))
+            heads = np.flatnonzero(np.r_[True, doc[1:] != doc[:-1]])
+            best = _group_argmax(score, heads)
+            chars = cum[at[best] + n] - cum[at[best]] + n - 1
+            value[doc[best]] = chars * count[best]
+        out[n] = value / np.maximum(text_chars, 1)
+    for n in dup:
+        starts, key = _ngram_keys(ids, words.doc, n)
+        value = np.zeros(n_docs)
+        if len(starts):
+            again = ~_first_seen(pa.array(key))[1]
+            cover = np.zeros(len(ids) + 1, np.int64)
+            np.add.at(cover, starts[again], 1)
+            np.add.at(cover, starts[again] + n, -1)
+            covered = np.cumsum(cover[:-1]) > 0
+            value = np.bincount(words.doc[covered], weights=lengths[covered], minlength=n_docs)
+        out[n] = value / np.maximum(text_chars, 1)
+    return out
+
+
+def _group_argmax(score: np.ndarray, heads: np.ndarray) -> np.ndarray:
+    """The index of the largest `score` in each group of consecutive positions starting at `heads`."""
+    top = np.maximum.reduceat(score, heads)
+    group = np.repeat(np.arange(len(heads)), np.diff(np.r_[heads, len(score)]))
+    hit = np.flatnonzero(score == top[group])
+    return hit[np.r_[True, group[hit][1:] != group[hit][:-1]]]
+
+
+# ---------------------------------------------------------------- the rules' measures
+
+
+def _gopher_quality(texts: pa.Array, words: Parts, lines: Parts, n: int) -> dict[str, np.ndarray]:
+    counted = ~words.matches(SYMBOL_ONLY)
+    n_words = words.count(n)
+    n_counted = words.count(n, counted)
+    lengths = words.lengths()
+    mean_length = words.count(n, counted, lengths) / np.maximum(n_counted, 1)
+    stop = pc.index_in(words.values, value_set=pa.array(STOP_WORDS)).to_numpy(zero_copy_only=False)
+    found = ~np.isnan(stop)
+    distinct = np.unique(words.doc[found] * len(STOP_WORDS) + stop[found].astype(np.int64))
+    ellipses = (pc.count_substring(texts, "...").to_numpy(zero_copy_only=False)
+                + pc.count_substring(texts, "…").to_numpy(zero_copy_only=False))
+    n_lines = np.maximum(lines.count(n), 1)
+    per_word = np.maximum(n_words, 1)
+    return {
+        "gopher_min_words": n_counted, "gopher_max_words": n_counted,
+        "gopher_min_mean_word_length": mean_length, "gopher_max_mean_word_length": mean_length,
+        "gopher_hash_ratio": pc.count_substring(texts, "#").to_numpy(zero_copy_only=False) / per_word,
+        "gopher_ellipsis_ratio": ellipses / per_word,
+        "gopher_bullet_lines": lines.count(n, lines.matches(rf"^{SPACE}*[•\-]")) / n_lines,
+        "gopher_ellipsis_lines": lines.count(n, lines.matches(rf"(\.\.\.|…){SPACE}*$")) / n_lines,
+        "gopher_alpha_words": words.count(n, words.matches(r"\pL")) / per_word,
+        "gopher_stop_words": np.bincount(distinct // len(STOP_WORDS), minlength=n).astype(np.float64),
+    }
+
+
+def _gopher_repetition(texts: pa.Array, words: Parts, rules: dict[str, float], n: int) -> dict[str, np.ndarray]:
+    chars = pc.utf8_length(texts).to_numpy(zero_copy_only=False).astype(np.float64)
+    paragraphs = Parts.of(pc.split_pattern_regex(pc.utf8_trim_whitespace(texts), r"\n\n+"))
+    lines = Parts.of(pc.split_pattern_regex(texts, r"\n+"))
+    out = {}
+    out["gopher_dup_paragraphs"], out["gopher_dup_paragraph_chars"] = _dup_fractions(paragraphs, n, chars)
+    out["gopher_dup_lines"], out["gopher_dup_line_chars"] = _dup_fractions(lines, n, chars)
+    top = tuple(k for k in (2, 3, 4) if f"gopher_top_{k}gram" in rules)
+    dup = tuple(k for k in range(5, 11) if f"gopher_dup_{k}gram" in rules)
+    grams = _ngram_measures(words, n, chars, top, dup)
+    out.update({f"gopher_top_{k}gram": grams[k] for k in top})
+    out.update({f"gopher_dup_{k}gram": grams[k] for k in dup})
+    return out
+
+
+def _c4(lines: Parts, rules: dict[str, float], n: int) -> dict[str, np.ndarray]:
+    """C4's lines that count (Raffel et al. 2020, §2.2, in the order of its reference code), then the document."""
+    line = pc.utf8_trim_whitespace(lines.values)
+    line_words = Parts.of(pc.utf8_split_whitespace(line))
+    n_line = len(line)
+    counts = np.ones(n_line, bool)
+    if "c4_line_max_word_length" in rules:
+        long = line_words.lengths() > rules["c4_line_max_word_length"]
+        counts &= np.bincount(line_words.doc[long], minlength=n_line) == 0
+    line = pc.replace_substring_regex(line, CITATION, "")
+    trimmed = Parts(line, lines.doc)
+    if "c4_line_terminal_punct" in rules:
+        counts &= trimmed.matches(C4_END) & ~trimmed.matches(r"\.\.\.$")
+    if "c4_line_min_words" in rules:
+        counts &= line_words.count(n_line) >= rules["c4_line_min_words"]
+    lorem = lines.count(n, counts & trimmed.matches("lorem ipsum", ignore_case=True))
+    if "c4_line_javascript" in rules:
+        counts &= ~trimmed.matches("javascript", ignore_case=True)
+    curly = lines.count(n, counts & pc.match_substring(line, "{").to_numpy(zero_copy_only=False))
+    if "c4_line_policy" in rules:
+        counts &= ~trimmed.matches(POLICY, ignore_case=True)
+    breaks = pc.count_substring_regex(line, SENTENCE_BREAK).to_numpy(zero_copy_only=False)
+    return {"c4_lorem_ipsum": lorem, "c4_curly_brace": curly,
+            "c4_min_sentences": lines.count(n, counts, breaks + 1.0)}
+
+
+def _fineweb(texts: pa.Array, words: Parts, n: int) -> dict[str, np.ndarray]:
+    lines = Parts.of(pc.split_pattern(texts, "\n"))
+    lines = lines.where(pc.not_equal(pc.utf8_trim_whitespace(lines.values), "").to_numpy(zero_copy_only=False))
+    n_lines = np.maximum(lines.count(n), 1)
+    chars = pc.utf8_length(pc.replace_substring(texts, "\n", "")).to_numpy(zero_copy_only=False)
+    newlines = pc.count_substring(texts, "\n").to_numpy(zero_copy_only=False)
+    return {
+        "fineweb_line_punct": lines.count(n, lines.matches(TERMINAL)) / n_lines,
+        "fineweb_short_lines": lines.count(n, lines.lengths() <= 30) / n_lines,
+        "fineweb_dup_line_chars": _dup_fractions(lines, n, chars)[1],
+        "fineweb_list_ratio": newlines / np.maximum(words.count(n), 1),
+    }
+
+
+def measure(texts: pa.Array, rules: dict[str, float]) -> dict[str, np.ndarray]:
+    """Every rule's measure of every text (non-null strings), as {rule: (N,) float64}; only the groups with a
+    rule in `rules` are computed."""
+    n = len(texts)
+    groups = {BY_NAME[r].group for r in rules}
+    words = _words(texts) if groups - {"c4"} else None
+    lines = _splitlines(texts) if groups & {"gopher_quality", "c4"} else None
+    out: dict[str, np.ndarray] = {}
+    if "gopher_repetition" in groups:
+        out.update(_gopher_repetition(texts, words, rules, n))
+    if "gopher_quality" in groups:
+        out.update(_gopher_quality(texts, words, lines, n))
+    if "c4" in groups:
+        out.update(_c4(lines, rules, n))
+    if "fineweb" in groups:
+        out.update(_fineweb(texts, words, n))
+    return out
+
+
+def first_rule(texts: pa.Array, rules: dict[str, float]) -> tuple[list, np.ndarray]:
+    """(rule, value) per text: the first rule in GROUPS order that removes it (None: kept) and its measure."""
+    n = len(texts)
+    reason = np.full(n, None, dtype=object)
+    value = np.full(n, np.nan)
+    if not rules or not n:
+        return reason.tolist(), value
+    measures = measure(texts, rules)
+    for rule in RULES:  # RULES is in GROUPS order
+        if rule.name not in rules or rule.kind == LINE:
+            continue
+        fires = rule.fires(measures[rule.name], rules[rule.name]) & (reason == None)  # noqa: E711 (elementwise)
+        reason[fires] = rule.name
+        value[fires] = measures[rule.name][fires]
+    return reason.tolist(), value
+
+
+@lru_cache(maxsize=1)
+def _identifier():
+    from py3langid.langid import MODEL_FILE, LanguageIdentifier
+
+    return LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
+
+
+def languages(texts: list[str]) -> tuple[list[str], np.ndarray]:
+    """(top language, its probability) of each text, by py3langid on its first LANGID_CHARS characters."""
+    lid = _identifier()
+    found = [lid.classify(t[:LANGID_CHARS]) for t in texts]
+    return [f[0] for f in found], np.array([f[1] for f in found], np.float64)
+
+

