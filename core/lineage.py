@@ -417,7 +417,9 @@ def _export_path(model_dir: Path) -> str:
 
 
 def download_registered_model(uri: str, workdir: Path) -> RegisteredExport:
-    """The HF export a registry version holds, downloaded once per version to <workdir>/registry/NAME/VERSION.
+    """The HF export a registry version holds, downloaded once per logged model to
+<workdir>/registry/NAME/VERSION-<model id> (or -run-<run id>): keyed by what the version is, not by its name and
+number, which another tracking server or a recreated registry gives to other weights.
 
     A version logged by `Tracker.log_hf_model` holds it as its pyfunc's artifact `hf`; one registered from a run
     directory (an RTD pretraining's checkpoint, today) is read from the `hf/` its run logged. ValueError (one message
@@ -441,7 +443,8 @@ def _download_version(uri: str, workdir: Path, tracking_uri: str) -> RegisteredE
     client = _client(tracking_uri)
     mv = _model_version(client, uri, tracking_uri)
     version_uri = f"{MODELS_URI}{mv.name}/{mv.version}"
-    target = workdir / "registry" / mv.name / str(mv.version)
+    what = mv.source.removeprefix(MODELS_URI) if mv.source.startswith(MODELS_URI) else f"run-{mv.run_id}"
+    target = workdir / "registry" / mv.name / f"{mv.version}-{what}"
     if (target / "config.json").is_file():  # renamed into place whole: present means complete
         return RegisteredExport(version_uri, target, mv.source)
     target.parent.mkdir(parents=True, exist_ok=True)

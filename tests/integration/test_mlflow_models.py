@@ -312,6 +312,15 @@ def test_batch_predictions_are_the_registered_models(mlflow_server, registered, 
     said = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("cache: ")]
     assert len(said) == 1 and "model.safetensors no longer matches the digest" in said[0], said
     assert file_digest(again.hf / "model.safetensors") == file_digest(registered[2]["clf"] / "model.safetensors")
+    # finetune.init=models:/NAME/VERSION's download (one per workdir) is each store's own weights too
+    from core.lineage import download_registered_model
+
+    inits = {}
+    for store in (other_uri, mlflow_server):
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+        inits[store] = file_digest(download_registered_model("models:/deberta-debug-clf/1", tmp_path / "wd").path
+                                   / "model.safetensors")
+    assert inits[mlflow_server] == file_digest(registered[2]["clf"] / "model.safetensors") != inits[other_uri]
 
 
 def test_batch_prediction_refusals_are_one_line(mlflow_server, registered, news_subset, tmp_path, monkeypatch,
