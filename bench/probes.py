@@ -32,13 +32,17 @@ from core.lineage import EXPERIMENT, default_tracking_uri
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from pipeline.presets import debug
+
+    debug_pretrain = debug().pretrain
     p = argparse.ArgumentParser(prog="python -m bench.probes", description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", type=Path, default=Path("/tmp/bench-probes"))
     p.add_argument("--steps", type=int, default=4_000)
     p.add_argument("--interval", type=int, default=1_000)
     p.add_argument("--examples", type=int, default=200)
     p.add_argument("--seeds", type=comma_ints, default=(0, 1, 2))
-    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--max-steps", type=int, default=debug_pretrain.probe_max_steps, help="pretrain.probe_max_steps")
+    p.add_argument("--patience", type=int, default=debug_pretrain.probe_patience, help="pretrain.probe_patience")
     p.add_argument("--sentence", action="store_true", help="also rotten-tomatoes with all its labels, step 0 and last")
     p.add_argument("--json", type=Path, default=RESULTS / "probes.json")
     return p.parse_args(argv)
@@ -46,7 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def pipeline_argv(args: argparse.Namespace, task_dir: Path) -> list[str]:
     sets = {"pretrain.max_steps": args.steps, "pretrain.probes": task_dir, "pretrain.probe_interval": args.interval,
-            "pretrain.probe_examples": args.examples, "pretrain.probe_epochs": args.epochs,
+            "pretrain.probe_examples": args.examples, "pretrain.probe_max_steps": args.max_steps,
+            "pretrain.probe_patience": args.patience,
             "pretrain.probe_seeds": ",".join(map(str, args.seeds))}
     return ["-m", "pipeline.run", "--preset", "debug", "--workdir", str(args.workdir), "--until", "pretrain",
             *[x for k, v in sets.items() for x in ("--set", f"{k}={v}")]]
@@ -87,12 +92,12 @@ def sentence_probe(args: argparse.Namespace, artifact: Path) -> dict:
     from stages.pretrain import probes
     from stages.pretrain.objectives import objective_for
 
-    cfg = dataclasses.replace(debug().pretrain, probes=("rotten-tomatoes",), probe_examples=None, probe_epochs=2,
+    cfg = dataclasses.replace(debug().pretrain, probes=("rotten-tomatoes",), probe_examples=None,
                               probe_batch_size=32, probe_seeds=args.seeds)
     [task] = probes.resolve_probes(cfg)
     model = checkpoint.load_config(artifact / "model")
-    ft = probes.finetune_config(cfg, task.name)
-    data = prepare_data(task, artifact / "tokenizer", ft)
+    data = prepare_data(task, artifact / "tokenizer", probes.finetune_config(cfg, task.name))
+    ft = probes.finetune_config(cfg, task.name, len(data[0]))
     setup = TrialSetup(model, task.num_labels, task.kind, task.metric, ft)
     weights = {0: probes.initial_backbone(objective_for(cfg), model, cfg.seed),
                args.steps: backbone_weights(artifact / "model")}
@@ -101,12 +106,12 @@ def sentence_probe(args: argparse.Namespace, artifact: Path) -> dict:
     trial = ray.remote(probes.probe_trial).options(num_cpus=1)
     refs = {(step, seed): trial.remote(setup, {"lr": cfg.probe_lr[0], "seed": seed, "dropout": 0.1,
                                                "batch_size": cfg.probe_batch_size,
-                                               "warmup_steps": cfg.probe_warmup_steps}, data, w)
+                                               "warmup_steps": cfg.probe_warmup_steps}, data, w, cfg.probe_patience)
             for step, w in weights.items() for seed in args.seeds}
     values = {k: ray.get(r)["value"] for k, r in refs.items()}
     ray.shutdown()
     out = {"task": task.name, "metric": task.metric, "train_rows": len(data[0]), "dev_rows": len(data[1]),
-           "epochs": cfg.probe_epochs, "lr": cfg.probe_lr[0], "batch_size": cfg.probe_batch_size}
+           "epochs": ft.epochs, "lr": cfg.probe_lr[0], "batch_size": cfg.probe_batch_size}
     for step in weights:
         v = np.array([values[(step, s)] for s in args.seeds])
         out[f"step{step}"] = {"mean": round(float(v.mean()), 4), "std": round(float(v.std(ddof=1)), 4),
@@ -143,7 +148,8 @@ def main(argv=None) -> int:
         "bench": "probes", "command": command_line(), "commit": head.stdout.strip() or None,
         "load_average": load_average(), "preset": "debug", "pretrain_steps": args.steps,
         "probe_interval": args.interval, "label_budget": args.examples, "seeds": list(args.seeds),
-        "probe_epochs": args.epochs, "task": "tweet-names", "metric": "dev entity F1", "wall_s": round(wall, 1),
+        "probe_max_steps": args.max_steps,
+        "probe_patience": args.patience, "task": "tweet-names", "metric": "dev entity F1", "wall_s": round(wall, 1),
         "pretrain_stage_s": round(run.data.metrics.get("stage_seconds", float("nan")), 1),
         "curve": curve, "scratch": first, "last": last, "gain_over_scratch": round(gain, 4),
         "larger_spread": round(max(first["f1_std"], last["f1_std"]), 4),
@@ -154,7 +160,7 @@ def main(argv=None) -> int:
     if args.sentence:
         report["sentence_all_labels"] = sentence_probe(args, artifact)
     lines = [f"debug preset, {args.steps} MLM steps on the built-in news corpus; probe tweet-names at "
-             f"{args.examples} labels, {len(args.seeds)} seeds, {args.epochs} epochs",
+             f"{args.examples} labels, {len(args.seeds)} seeds, up to {args.max_steps} steps",
              f"{'step':>6} {'val MLM loss':>13} {'dev entity F1':>16}"]
     for row in curve:
         vl = f"{row['val_loss']:.3f}" if row["val_loss"] is not None else "-"
