@@ -1,18 +1,24 @@
-"""Pretraining measured in task terms: the debug preset pretrained on the built-in news corpus for several thousand
-steps with a probe (`pretrain.probes`) on a token task at a 200-label budget, 3 seeds: the probe's dev entity F1
-at every probe step, step 0 being the same model from its initial weights (the from-scratch control), beside the
-validation MLM loss.
+"""Probes against the finetune stage: does a probe (`pretrain.probes`) report what the stage itself would?
 
-The task: the built-in WNUT-2016 tweets tagged by `bench.served.tweet_names_dir`'s rule (handles, capitalised runs;
-on WNUT's own tags the debug model tags no entity at any step, `bench/results/served.json`).
+The debug preset pretrained on the built-in news corpus with probes on a token and a sentence task at a 200-label
+budget, 3 seeds, with the preset's probe settings (each trial trained until its dev metric stops improving, over the
+preset's learning-rate grid); then the finetune stage's own sweep of the final checkpoint on each task with the same
+label budget, seeds, grid and epochs (the probe's step budget as epochs), and `finetune.control=scratch` for step 0
+(the same sweep from initial weights). A probe stands for the stage when its value at step 0 lies within the
+control sweep's seed spread and its value at the last step within the sweep's.
 
-    unshare --net sh -c 'ip link set lo up && nice -n 10 .venv/bin/python -m bench.probes'   # ~1 h on 2 cores
+The tasks: `tweet-names`, the built-in WNUT-2016 tweets tagged by `bench.served.tweet_names_dir`'s rule (handles,
+capitalised runs; on WNUT's own tags the debug model tags no entity at any step, `bench/results/served.json`), and
+`rotten-400`, the built-in rotten-tomatoes with its dev split cut to a fixed sample of 400 reviews (the label budget
+is drawn from its training split as from the built-in's) so that four sweeps fit on 2 cores.
 
-Runs `python -m pipeline.run --preset debug --until pretrain` with the probe settings in its own workdir (stages
-already there are reused), then reads the pretrain stage's MLflow run (`probe.<task>.f1`, `..._std`, `val_loss`)
-and its artifact's probes.json (each seed's F1); copies the run's probes.png to bench/results/probes.png. With
-`--sentence`, also the sentence task (rotten-tomatoes) with all its labels, at step 0 and the last step only, by
-the same probe trials (`stages.pretrain.probes.probe_trial`) on the initial and the final weights.
+    unshare --net sh -c 'ip link set lo up && nice -n 10 .venv/bin/python -m bench.probes'
+
+Runs `python -m pipeline.run --preset debug --until pretrain` with the probes in its own workdir (stages already there
+are reused), then `python -m pipeline.run --preset debug --until finetune` once per task; reads the pretrain stage's
+probes.json (each probe's seeds, learning rate, collapsed seeds, baseline) and each finetune artifact's results.csv
+and results_scratch.csv (each trial's best-epoch dev metric), and copies the run's probes.png to
+bench/results/probes.png.
 
 Prints one JSON object (also written to --json, by default bench/results/probes.json) and a table.
 """
@@ -30,141 +36,171 @@ from pathlib import Path
 from bench.common import REPO, RESULTS, command_line, comma_ints, emit, load_average
 from core.lineage import EXPERIMENT, default_tracking_uri
 
+DEV_ROWS = 400
+"""rotten-400's dev sample."""
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.probes", description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", type=Path, default=Path("/tmp/bench-probes"))
-    p.add_argument("--steps", type=int, default=4_000)
-    p.add_argument("--interval", type=int, default=1_000)
-    p.add_argument("--examples", type=int, default=200)
+    p.add_argument("--steps", type=int, default=400, help="pretraining steps (probed at 0 and the last)")
+    p.add_argument("--examples", type=int, default=200, help="the label budget")
     p.add_argument("--seeds", type=comma_ints, default=(0, 1, 2))
-    p.add_argument("--epochs", type=int, default=6)
-    p.add_argument("--sentence", action="store_true", help="also rotten-tomatoes with all its labels, step 0 and last")
     p.add_argument("--json", type=Path, default=RESULTS / "probes.json")
     return p.parse_args(argv)
 
 
-def pipeline_argv(args: argparse.Namespace, task_dir: Path) -> list[str]:
-    sets = {"pretrain.max_steps": args.steps, "pretrain.probes": task_dir, "pretrain.probe_interval": args.interval,
-            "pretrain.probe_examples": args.examples, "pretrain.probe_epochs": args.epochs,
-            "pretrain.probe_seeds": ",".join(map(str, args.seeds))}
-    return ["-m", "pipeline.run", "--preset", "debug", "--workdir", str(args.workdir), "--until", "pretrain",
+def rotten_dir(root: Path) -> Path:
+    """rotten-tomatoes as a GLUE-format directory: every training review, a fixed sample of `DEV_ROWS` dev reviews."""
+    import numpy as np
+
+    from stages.finetune.tasks import resolve_task
+
+    task = resolve_task("rotten-tomatoes")
+    d = root / "rotten-400"
+    d.mkdir(parents=True)
+    keep = np.sort(np.random.default_rng(0).permutation(len(task.dev))[:DEV_ROWS])
+    for split, rows in (("train", range(len(task.train))), ("dev", keep)):
+        data = getattr(task, split)
+        lines = ["sentence\tlabel"] + [f"{data.text_a[i]}\t{task.labels[int(data.label[i])]}" for i in rows]
+        (d / f"{split}.tsv").write_text("\n".join(lines) + "\n")
+    (d / "task.json").write_text(json.dumps({"kind": "classification", "metric": "accuracy"}))
+    return d
+
+
+def task_dirs(workdir: Path) -> dict[str, Path]:
+    from bench.served import tweet_names_dir
+
+    root = workdir / "task"
+    if not (root / "rotten-400" / "task.json").is_file():
+        shutil.rmtree(root, ignore_errors=True)
+        tweet_names_dir(root)
+        rotten_dir(root)
+    return {"tweet-names": root / "tweet-names", "rotten-400": root / "rotten-400"}
+
+
+def sweep_sets(args: argparse.Namespace, task_dir: Path) -> dict[str, object]:
+    """The finetune stage's sweep a probe of the debug preset stands for: its grid, seeds, label budget and its
+    step budget as epochs (`stages.pretrain.probes.finetune_config`)."""
+    import dataclasses
+
+    from pipeline.presets import debug
+    from stages.pretrain.probes import finetune_config
+
+    p = dataclasses.replace(debug().pretrain, probes=(str(task_dir),), probe_examples=args.examples)
+    ft = finetune_config(p, str(task_dir), args.examples)
+    return {"finetune.task": task_dir, "finetune.max_train_examples": args.examples,
+            "finetune.lr": ",".join(map(str, ft.lr)), "finetune.dropout": ft.dropout[0],
+            "finetune.warmup_steps": ft.warmup_steps[0], "finetune.batch_size": ft.batch_size[0],
+            "finetune.epochs": ft.epochs, "finetune.max_seq_len": ft.max_seq_len,
+            "finetune.doc_stride": ft.doc_stride, "finetune.seeds": ",".join(map(str, args.seeds)),
+            "finetune.control": "scratch"}
+
+
+def pipeline(args: argparse.Namespace, until: str, sets: dict[str, object]) -> None:
+    argv = [sys.executable, "-m", "pipeline.run", "--preset", "debug", "--workdir", str(args.workdir),
+            "--until", until, "--set", f"pretrain.max_steps={args.steps}",
             *[x for k, v in sets.items() for x in ("--set", f"{k}={v}")]]
+    subprocess.run(argv, cwd=REPO, check=True)
 
 
-def pretrain_run(workdir: Path):
+def finished_run(workdir: Path, stage: str, task: str | None = None):
     import mlflow
 
     client = mlflow.MlflowClient(default_tracking_uri(workdir))
-    runs = client.search_runs(
-        [client.get_experiment_by_name(EXPERIMENT).experiment_id],
-        filter_string="tags.`pipeline.stage` = 'pretrain' and tags.`pipeline.status` = 'finished'",
-        order_by=["attributes.start_time DESC"], max_results=1)
+    where = f"tags.`pipeline.stage` = '{stage}' and tags.`pipeline.status` = 'finished'"
+    if task:
+        where += f" and params.`task.name` = '{task}'"
+    runs = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id], filter_string=where,
+                              order_by=["attributes.start_time DESC"], max_results=1)
     if not runs:
-        raise SystemExit(f"error: no finished pretrain run in {workdir}; the pipeline run above failed")
-    return client, runs[0]
+        raise SystemExit(f"error: no finished {stage} run{' of ' + task if task else ''} in {workdir}")
+    return runs[0]
 
 
-def history(client, run, key: str) -> dict[int, float]:
-    """step -> the value first logged at that step."""
-    out: dict[int, float] = {}
-    for m in sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.timestamp):
-        out.setdefault(m.step, m.value)
-    return out
+def sweep_point(csv: Path, metric: str) -> dict:
+    """The grid point the stage selects (best seed mean of the best-epoch dev metric): its seeds' values."""
+    import pandas as pd
+
+    from stages.finetune.sweep import GRID_KEYS
+
+    table = pd.read_csv(csv)
+    means = table.groupby(list(GRID_KEYS), sort=False)[metric].mean()
+    point = dict(zip(GRID_KEYS, means.idxmax()))
+    rows = table[(table[list(GRID_KEYS)] == pd.Series(point)).all(axis=1)].sort_values("seed")
+    values = rows[metric].to_numpy()
+    return {"lr": float(point["lr"]), "mean": round(float(values.mean()), 4),
+            "std": round(float(values.std(ddof=1)), 4) if len(values) > 1 else 0.0,
+            "per_seed": [round(float(v), 4) for v in values], "best_epoch": [int(e) for e in rows["best_epoch"]]}
 
 
-def sentence_probe(args: argparse.Namespace, artifact: Path) -> dict:
-    """rotten-tomatoes, every train label, at step 0 (initial weights) and the last step (the artifact's weights)."""
-    import dataclasses
+def side_by_side(probe: dict, sweep: dict) -> dict:
+    return {"probe": probe, "sweep": sweep, "difference": round(probe["mean"] - sweep["mean"], 4),
+            "within_sweep_spread": bool(abs(probe["mean"] - sweep["mean"]) <= sweep["std"]),
+            "within_sweep_range": bool(min(sweep["per_seed"]) <= probe["mean"] <= max(sweep["per_seed"]))}
 
-    import numpy as np
-    import ray
 
-    from deberta import checkpoint
-    from pipeline.presets import debug
-    from stages.finetune.data import backbone_weights, prepare_data
-    from stages.finetune.trial import TrialSetup
-    from stages.pretrain import probes
-    from stages.pretrain.objectives import objective_for
-
-    cfg = dataclasses.replace(debug().pretrain, probes=("rotten-tomatoes",), probe_examples=None, probe_epochs=2,
-                              probe_batch_size=32, probe_seeds=args.seeds)
-    [task] = probes.resolve_probes(cfg)
-    model = checkpoint.load_config(artifact / "model")
-    ft = probes.finetune_config(cfg, task.name)
-    data = prepare_data(task, artifact / "tokenizer", ft)
-    setup = TrialSetup(model, task.num_labels, task.kind, task.metric, ft)
-    weights = {0: probes.initial_backbone(objective_for(cfg), model, cfg.seed),
-               args.steps: backbone_weights(artifact / "model")}
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False,
-             object_store_memory=1 << 30)
-    trial = ray.remote(probes.probe_trial).options(num_cpus=1)
-    refs = {(step, seed): trial.remote(setup, {"lr": cfg.probe_lr[0], "seed": seed, "dropout": 0.1,
-                                               "batch_size": cfg.probe_batch_size,
-                                               "warmup_steps": cfg.probe_warmup_steps}, data, w)
-            for step, w in weights.items() for seed in args.seeds}
-    values = {k: ray.get(r)["value"] for k, r in refs.items()}
-    ray.shutdown()
-    out = {"task": task.name, "metric": task.metric, "train_rows": len(data[0]), "dev_rows": len(data[1]),
-           "epochs": cfg.probe_epochs, "lr": cfg.probe_lr[0], "batch_size": cfg.probe_batch_size}
-    for step in weights:
-        v = np.array([values[(step, s)] for s in args.seeds])
-        out[f"step{step}"] = {"mean": round(float(v.mean()), 4), "std": round(float(v.std(ddof=1)), 4),
-                              "per_seed": [round(float(x), 4) for x in v]}
-    out["gain"] = round(out[f"step{args.steps}"]["mean"] - out["step0"]["mean"], 4)
-    return out
+def probe_row(entry: dict) -> dict:
+    values = list(entry["per_seed"].values())
+    return {"lr": entry["lr"], "mean": round(entry["mean"], 4), "std": round(entry["std"], 4),
+            "per_seed": [round(v, 4) for v in values], "best_epoch": list(entry["best_epoch"].values()),
+            "failed": entry["failed"], "not_converged": entry["not_converged"]}
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    from bench.served import tweet_names_dir
+    from pipeline.presets import debug
 
+    args = parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    task_dir = args.workdir / "task" / "tweet-names"
-    if not task_dir.is_dir():
-        shutil.rmtree(task_dir.parent, ignore_errors=True)
-        tweet_names_dir(task_dir.parent)
+    dirs = task_dirs(args.workdir)
     started = time.time()
-    subprocess.run([sys.executable, *pipeline_argv(args, task_dir)], cwd=REPO, check=True)
-    wall = time.time() - started
-    client, run = pretrain_run(args.workdir)
-    key = "probe.tweet-names.f1"
-    mean, std, val = history(client, run, key), history(client, run, key + "_std"), history(client, run, "val_loss")
+    pipeline(args, "pretrain", {"pretrain.probes": ",".join(map(str, dirs.values())),
+                                "pretrain.probe_interval": args.steps, "pretrain.probe_examples": args.examples,
+                                "pretrain.probe_seeds": ",".join(map(str, args.seeds))})
+    pretrain_s = time.time() - started  # corpus to pretrain, probes included
+    run = finished_run(args.workdir, "pretrain")
     artifact = args.workdir / "artifacts" / "pretrain" / run.data.tags["pipeline.artifact_id"]
     ledger = json.loads((artifact / "probes.json").read_text())["steps"]
     shutil.copy2(artifact / "probes.png", RESULTS / "probes.png")
-    curve = [{"step": s, "f1_mean": round(mean[s], 4), "f1_std": round(std[s], 4),
-              "f1_per_seed": [round(v, 4) for v in ledger[str(s)]["tweet-names"]["per_seed"].values()],
-              "val_loss": round(val[s], 4) if s in val else None} for s in sorted(mean)]
-    first, last = curve[0], curve[-1]
-    gain = last["f1_mean"] - first["f1_mean"]
+    tasks = {}
+    for name, d in dirs.items():
+        sets = sweep_sets(args, d)
+        pipeline(args, "finetune", sets)
+        ft = args.workdir / "artifacts" / "finetune" / finished_run(args.workdir, "finetune", name).data.tags[
+            "pipeline.artifact_id"]
+        first, last = ledger["0"][name], ledger[str(args.steps)][name]
+        metric = f"dev_{first['metric']}"
+        tasks[name] = {
+            "metric": first["metric"], "baseline": round(first["baseline"], 4), "baseline_name": first["baseline_name"],
+            "sweep_epochs": sets["finetune.epochs"], "lr_grid": sets["finetune.lr"],
+            "step0": side_by_side(probe_row(first), sweep_point(ft / "results_scratch.csv", metric)),
+            "last": side_by_side(probe_row(last), sweep_point(ft / "results.csv", metric)),
+        }
+        t = tasks[name]
+        t["probe_gain"] = round(t["last"]["probe"]["mean"] - t["step0"]["probe"]["mean"], 4)
+        t["sweep_gain"] = round(t["last"]["sweep"]["mean"] - t["step0"]["sweep"]["mean"], 4)
+        t["same_sign"] = bool(t["probe_gain"] * t["sweep_gain"] > 0)
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO)
+    preset = debug().pretrain
     report = {
         "bench": "probes", "command": command_line(), "commit": head.stdout.strip() or None,
         "load_average": load_average(), "preset": "debug", "pretrain_steps": args.steps,
-        "probe_interval": args.interval, "label_budget": args.examples, "seeds": list(args.seeds),
-        "probe_epochs": args.epochs, "task": "tweet-names", "metric": "dev entity F1", "wall_s": round(wall, 1),
-        "pretrain_stage_s": round(run.data.metrics.get("stage_seconds", float("nan")), 1),
-        "curve": curve, "scratch": first, "last": last, "gain_over_scratch": round(gain, 4),
-        "larger_spread": round(max(first["f1_std"], last["f1_std"]), 4),
-        "gain_exceeds_spread": bool(gain > max(first["f1_std"], last["f1_std"])),
-        "every_last_seed_above_every_scratch_seed": bool(min(last["f1_per_seed"]) > max(first["f1_per_seed"])),
+        "label_budget": args.examples, "seeds": list(args.seeds), "dev_rows_rotten": DEV_ROWS,
+        "probe_max_steps": preset.probe_max_steps, "probe_patience": preset.probe_patience,
+        "until_pretrain_s": round(pretrain_s, 1), "wall_s": round(time.time() - started, 1),
+        "tasks": tasks,
+        "all_within_sweep_spread": all(t[s]["within_sweep_spread"] for t in tasks.values() for s in ("step0", "last")),
         "plot": "bench/results/probes.png",
     }
-    if args.sentence:
-        report["sentence_all_labels"] = sentence_probe(args, artifact)
-    lines = [f"debug preset, {args.steps} MLM steps on the built-in news corpus; probe tweet-names at "
-             f"{args.examples} labels, {len(args.seeds)} seeds, {args.epochs} epochs",
-             f"{'step':>6} {'val MLM loss':>13} {'dev entity F1':>16}"]
-    for row in curve:
-        vl = f"{row['val_loss']:.3f}" if row["val_loss"] is not None else "-"
-        lines.append(f"{row['step']:>6} {vl:>13} {row['f1_mean']:>9.4f} ± {row['f1_std']:.4f}")
-    lines.append(f"gain over scratch {gain:+.4f} (spread {report['larger_spread']:.4f})")
-    if args.sentence:
-        s = report["sentence_all_labels"]
-        lines.append(f"rotten-tomatoes, all {s['train_rows']} labels: step 0 {s['step0']['mean']:.4f} ± "
-                     f"{s['step0']['std']:.4f}, step {args.steps} {s[f'step{args.steps}']['mean']:.4f} ± "
-                     f"{s[f'step{args.steps}']['std']:.4f}")
+    lines = [f"debug preset, {args.steps} MLM steps; probes at {args.examples} labels, {len(args.seeds)} seeds, "
+             f"against the finetune stage's sweep of the same checkpoint",
+             f"{'task':<12} {'step':>5} {'probe':>17} {'sweep':>17} {'within':>7}"]
+    for name, t in tasks.items():
+        for s, step in (("step0", 0), ("last", args.steps)):
+            r = t[s]
+            lines.append(f"{name:<12} {step:>5} {r['probe']['mean']:>8.4f} ± {r['probe']['std']:.4f} "
+                         f"{r['sweep']['mean']:>8.4f} ± {r['sweep']['std']:.4f} {str(r['within_sweep_spread']):>7}")
+        lines.append(f"{name:<12} gain: probe {t['probe_gain']:+.4f}, sweep {t['sweep_gain']:+.4f}")
     emit(report, args.json, "\n".join(lines))
     return 0
 

@@ -74,8 +74,9 @@ PLACEMENTS = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 PRECISIONS = ("auto", "fp32", "bf16")
 
 
-PROBE_FIELDS = ("probes", "probe_interval", "probe_examples", "probe_epochs", "probe_lr", "probe_batch_size",
-                "probe_warmup_steps", "probe_seeds", "probe_max_seq_len", "probe_cpus", "probe_gpus")
+PROBE_FIELDS = ("probes", "probe_interval", "probe_examples", "probe_max_steps", "probe_patience", "probe_lr",
+                "probe_batch_size", "probe_warmup_steps", "probe_seeds", "probe_max_seq_len", "probe_cpus",
+                "probe_gpus")
 
 ACTIVATION_CHECKPOINTING = "none, all, or every-K (K >= 1: layers 0, K, 2K, ...; every-1 is all)"
 OFFLOADS = ("none", "optimizer", "optimizer+parameters")
@@ -361,10 +362,17 @@ class PretrainConfig(Section):
     """Steps between probes; a multiple of `ckpt_interval` (a probe reads a checkpoint). The last step is probed too."""
     probe_examples: int | None = 200
     """Label budget: training rows each probe fine-tunes on (a fixed-seed sample; None: all)."""
-    probe_epochs: int = 3
-    """Fine-tuning epochs of each probe trial (the best epoch's dev metric counts, as in the finetune stage)."""
-    probe_lr: tuple[float, ...] = (1e-4,)
-    """The probes' fixed grid of learning rates: the best grid point's seed mean is logged (the stage's selection)."""
+    probe_max_steps: int = 2_000
+    """Budget of each probe trial in optimizer steps, rounded up to whole epochs of the label budget (one dev
+    evaluation per epoch, as in the finetune stage); the learning rate decays linearly to zero at the budget. A probe
+    trains to convergence, not for a fixed few epochs: it stops earlier when its dev metric stops improving
+    (`probe_patience`), and the best epoch's dev metric counts."""
+    probe_patience: int = 5
+    """Early stopping: a probe trial ends after this many evaluations (epochs) in a row without a new best dev
+    metric; one still improving when its budget is spent is reported as not converged (raise `probe_max_steps`)."""
+    probe_lr: tuple[float, ...] = (5e-5, 1e-4)
+    """The probes' fixed grid of learning rates: the grid point with the best seed mean is logged (the finetune
+    stage's selection at a fixed label budget; collapsed seeds are left out and counted, `stages.pretrain.probes`)."""
     probe_batch_size: int = 16
     probe_warmup_steps: int = 10
     probe_seeds: tuple[int, ...] = (0, 1, 2)
@@ -653,7 +661,8 @@ def check_probes(p: "PretrainConfig") -> None:
     if not p.probes:
         return
     _check(len(set(p.probes)) == len(p.probes), f"pretrain.probes={','.join(p.probes)}: a task is named twice")
-    _positive("pretrain", p, "probe_interval", "probe_epochs", "probe_batch_size", "probe_cpus")
+    _positive("pretrain", p, "probe_interval", "probe_max_steps", "probe_patience", "probe_batch_size",
+              "probe_cpus")
     _check(p.probe_interval % p.ckpt_interval == 0,
            f"pretrain.probe_interval={p.probe_interval} must be a multiple of pretrain.ckpt_interval={p.ckpt_interval} "
            f"(a probe fine-tunes a checkpoint); e.g. pretrain.probe_interval="

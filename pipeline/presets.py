@@ -76,8 +76,11 @@ def debug() -> PipelineConfig:
         pretrain=PretrainConfig(num_workers=2, micro_batch_size=8, train_batch_size=16, lr=5e-4,
                                 warmup_steps=50, max_steps=800, eval_interval=200, eval_batches=8,
                                 ckpt_interval=200, log_interval=50,
-                                # probes off (pretrain.probes=TASK turns them on): the debug model's settings
-                                probe_interval=200, probe_lr=(1e-3,), probe_epochs=6, probe_max_seq_len=64),
+                                # probes off (pretrain.probes=TASK turns them on): the debug model's settings, the
+                                # finetune grid's learning rates; 250 steps are 20 epochs of 200 labels, where
+                                # fine-tuning this model from scratch has converged on a sentence and a token task
+                                probe_interval=200, probe_lr=(1e-3, 2e-3), probe_max_steps=250, probe_patience=5,
+                                probe_max_seq_len=64),
         finetune=FinetuneConfig(task="rotten-tomatoes", dropout=(0.0, 0.1), warmup_steps=(50,),
                                 lr=(1e-3, 2e-3), batch_size=(32,), epochs=3, max_seq_len=64, doc_stride=16,
                                 max_train_examples=2_000, max_concurrent_trials=2),

@@ -5,10 +5,16 @@ from) and at every `probe_interval` steps, the newest checkpoint's backbone is f
 finetune stage's own trial code (`stages.finetune.trial`: `trial_engine`, `run_epochs`; the same kinds, heads and dev
 metrics), on a fixed small grid (`probe_lr`) x `probe_seeds`, with `probe_examples` training rows. Each (grid point,
 seed) is one Ray task of `probe_cpus` CPUs (and `probe_gpus` GPUs): the tasks wait in Ray's queue while the training
-workers hold the cluster and never hold training up. The grid point with the best seed mean is logged against the
-pretraining step as `probe.<task>.<metric>` (mean over seeds) and `probe.<task>.<metric>_std` (their spread), as the
-finetune stage selects its champion; Tune is not used: a probe is a handful of short trials whose results only this
-driver reads.
+workers hold the cluster and never hold training up. Tune is not used: a probe is a handful of trials whose results
+only this driver reads.
+
+A probe measures what the finetune stage would report at this label budget, so each trial trains to convergence:
+up to `probe_max_steps` optimizer steps, stopped early once its dev metric has not improved for `probe_patience`
+evaluations (one per epoch), its best epoch counting. A fixed few epochs of a small label budget measures how fast a
+model starts to learn instead, which can rank a pretrained model below its own from-scratch control. The grid point
+with the best seed mean is logged against the pretraining step as `probe.<task>.<metric>` (mean over seeds) and
+`probe.<task>.<metric>_std` (their spread), as the finetune stage selects its champion; a seed that collapsed
+(`collapsed`) is left out of that mean, printed, listed in the ledger and counted in `probe.<task>.failed`.
 
 The driver watches the run's checkpoints from a thread beside `TorchTrainer.fit()` (`Probes.watch`): a checkpoint of a
 probe step is consolidated on the driver as soon as it is listed (Ray Train keeps only the last two) and its backbone
@@ -16,12 +22,14 @@ put in the object store for the trials. A finished (step, task) is recorded in `
 directory (written to a temporary name, then renamed): a restarted stage logs it again into the plot but never
 re-probes it. A probe still running when the driver dies is run again if its checkpoint is still kept.
 
-`plot` draws each probe's metric against the step, the validation loss on a second axis (probes.png).
+`plot` draws each probe's metric against the step with the task's baseline (the kind's `baseline`: the rule a
+practitioner tries first) and any collapsed seed, the validation loss on a second axis (probes.png).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -39,11 +47,27 @@ if TYPE_CHECKING:
 LEDGER = "probes.json"
 """In the run's storage directory: the finished probes, {step: {task: result}}."""
 
+COLLAPSE_SPREADS = 3.0
+"""A seed more than this many spreads of the other seeds below the grid point's median has collapsed (`collapsed`)."""
+MIN_SPREAD = 0.02
+"""The least spread `collapsed` assumes: two seeds that agree closely do not make a third's ordinary seed-to-seed
+difference (a few points of a metric in [0, 1]) a collapse."""
 
-def finetune_config(p: PretrainConfig, task: str) -> FinetuneConfig:
-    """The finetune stage's settings a probe trial runs with: the probes' fixed grid, one dropout and warmup."""
+
+def budget_epochs(p: PretrainConfig, train_rows: int) -> int:
+    """`probe_max_steps` as whole epochs of `train_rows` (the trial loop evaluates once per epoch)."""
+    from stages.finetune.trial import steps_per_epoch
+
+    return max(1, math.ceil(p.probe_max_steps / steps_per_epoch(train_rows, p.probe_batch_size)))
+
+
+def finetune_config(p: PretrainConfig, task: str, train_rows: int | None = None) -> FinetuneConfig:
+    """The finetune stage's settings a probe trial runs with: the probes' fixed grid, one dropout and warmup, the
+    step budget as epochs of `train_rows` (the encoded label budget; None: `probe_examples` rows, for the checks
+    made before the task is encoded)."""
+    rows = train_rows if train_rows is not None else (p.probe_examples or p.probe_batch_size)
     return FinetuneConfig(task=task, dropout=(0.1,), warmup_steps=(p.probe_warmup_steps,), lr=p.probe_lr,
-                          batch_size=(p.probe_batch_size,), seeds=p.probe_seeds, epochs=p.probe_epochs,
+                          batch_size=(p.probe_batch_size,), seeds=p.probe_seeds, epochs=budget_epochs(p, rows),
                           max_seq_len=p.probe_max_seq_len, doc_stride=p.probe_max_seq_len // 4,
                           max_train_examples=p.probe_examples, cpus_per_trial=p.probe_cpus,
                           use_gpu=p.probe_gpus > 0, precision=p.precision)
@@ -91,9 +115,15 @@ def initial_backbone(objective: "Objective", model, seed: int, init_file: str = 
     return backbone(objective, net.state_dict())
 
 
+class _Converged(Exception):
+    """Raised by a probe trial's `report` to end the finetune stage's epoch loop: its dev metric stopped improving."""
+
+
 def probe_trial(setup: "TrialSetup", config: dict[str, Any], data: tuple["Encoded", "Encoded"],
-                weights: dict) -> dict[str, Any]:
-    """One Ray task: one grid point and seed fine-tuned by the finetune stage's loop; the best epoch's dev metrics."""
+                weights: dict, patience: int) -> dict[str, Any]:
+    """One Ray task: one grid point and seed fine-tuned by the finetune stage's loop for at most `setup.ft.epochs`,
+    stopped after `patience` epochs without a new best dev metric; the best epoch's dev metric, that epoch, the
+    epochs run and whether it converged (stopped early) rather than running out of budget."""
     import torch
 
     from stages.finetune.trial import optim_spec, run_epochs, trial_engine
@@ -102,20 +132,59 @@ def probe_trial(setup: "TrialSetup", config: dict[str, Any], data: tuple["Encode
     device = "cuda" if setup.ft.use_gpu and torch.cuda.is_available() else "cpu"
     engine = trial_engine(setup, config, weights, optim_spec(setup.ft, config, len(data[0])), device=device)
     epochs: list[dict[str, Any]] = []
-    run_epochs(engine, data, setup, config, lambda result, *_: epochs.append(result))
+    since_best = 0
+
+    def report(result: dict[str, Any], _engine, improved: bool, _progress) -> None:
+        nonlocal since_best
+        epochs.append(result)
+        since_best = 0 if improved else since_best + 1
+        if since_best >= patience:
+            raise _Converged
+
+    try:
+        run_epochs(engine, data, setup, config, report)
+        converged = False
+    except _Converged:
+        converged = True
     key = f"dev_{setup.metric}"
-    best = max(epochs, key=lambda r: r[key])
-    return {"value": float(best[key]), "epoch": int(best["epoch"])}
+    best = max(epochs, key=lambda r: r[key])  # the first of equals, as `improved` counts only a strict gain
+    return {"value": float(best[key]), "epoch": int(best["epoch"]), "epochs": len(epochs), "converged": converged}
 
 
-def summarize(task: "TaskRef", trials: dict[tuple[float, int], float]) -> dict[str, Any]:
-    """{(lr, seed): dev metric} -> the grid point with the best seed mean: its mean, spread (sample std) and seeds."""
+def collapsed(values: list[float], baseline: float) -> list[bool]:
+    """Which seeds of one grid point failed rather than varied: a seed below the task's baseline while the grid
+    point's median is not (it learnt less than the rule a practitioner tries first, where its siblings did not), or
+    more than `COLLAPSE_SPREADS` sample spreads of the other seeds (at least `MIN_SPREAD`) below the median (with
+    three seeds or more: one other seed has no spread). Seeds at or above the median never count, so at least half
+    of a grid point's seeds stay in its mean."""
+    median = float(np.median(values))
+    out = []
+    for i, v in enumerate(values):
+        others = values[:i] + values[i + 1:]
+        far = len(others) > 1 and median - v > COLLAPSE_SPREADS * max(float(np.std(others, ddof=1)), MIN_SPREAD)
+        out.append(v < baseline <= median or far)
+    return out
+
+
+def summarize(task: "TaskRef", trials: dict[tuple[float, int], float], baseline: float = -math.inf) -> dict[str, Any]:
+    """{(lr, seed): dev metric} -> the grid point with the best seed mean, collapsed seeds (`collapsed`) left out of
+    every grid point's mean: its mean, spread (sample std) and seeds, and every collapsed trial of the grid."""
     lrs = sorted({lr for lr, _ in trials})
-    means = {lr: float(np.mean([v for (l, _), v in trials.items() if l == lr])) for lr in lrs}
+    kept: dict[float, dict[int, float]] = {}
+    failed = []
+    for lr in lrs:
+        seeds = sorted(s for l, s in trials if l == lr)
+        values = [trials[(lr, s)] for s in seeds]
+        for s, v, bad in zip(seeds, values, collapsed(values, baseline)):
+            if bad:
+                failed.append({"lr": lr, "seed": s, "value": v})
+            else:
+                kept.setdefault(lr, {})[s] = v
+    means = {lr: float(np.mean(list(kept[lr].values()))) for lr in lrs}
     lr = max(lrs, key=lambda x: means[x])
-    values = [v for (l, _), v in sorted(trials.items()) if l == lr]
+    values = list(kept[lr].values())
     return {"metric": task.metric, "mean": means[lr], "std": float(np.std(values, ddof=1)) if len(values) > 1 else 0.0,
-            "lr": lr, "per_seed": {str(s): v for (l, s), v in sorted(trials.items()) if l == lr}}
+            "lr": lr, "per_seed": {str(s): v for s, v in kept[lr].items()}, "failed": failed}
 
 
 # ----------------------------------------------------------------------------------------------- the ledger
@@ -160,10 +229,13 @@ class Probes:
     ledger: dict[int, dict[str, Any]] = field(default_factory=dict)
     pending: dict[Any, tuple[int, str, float, int]] = field(default_factory=dict)
     """Ray object ref -> (step, task, lr, seed)."""
-    trials: dict[tuple[int, str], dict[tuple[float, int], float]] = field(default_factory=dict)
+    trials: dict[tuple[int, str], dict[tuple[float, int], dict | None]] = field(default_factory=dict)
+    """(step, task) -> {(lr, seed): `probe_trial`'s result, None for a trial that raised}, until all are in."""
     submitted: set[int] = field(default_factory=set)
     data_refs: dict[str, Any] = field(default_factory=dict)
     setups: dict[str, Any] = field(default_factory=dict)
+    baselines: dict[str, tuple[float, str]] = field(default_factory=dict)
+    """task -> the kind's baseline (value, what it is): the collapse rule's floor and the plot's line."""
     notes: list[str] = field(default_factory=list)
 
     def start(self) -> None:
@@ -174,9 +246,11 @@ class Probes:
         from stages.finetune.trial import TrialSetup
 
         for task in self.tasks:
-            ft = finetune_config(self.cfg, task.name)
-            self.data_refs[task.name] = ray.put(prepare_data(task, self.tok_dir, ft))
+            data = prepare_data(task, self.tok_dir, finetune_config(self.cfg, task.name))
+            ft = finetune_config(self.cfg, task.name, len(data[0]))  # the step budget as epochs of these rows
+            self.data_refs[task.name] = ray.put(data)
             self.setups[task.name] = TrialSetup(self.model, task.num_labels, task.kind, task.metric, ft)
+            self.baselines[task.name] = task.kind.baseline(task)
         self.ledger = read_ledger(self.run_dir)
         done = sorted(s for s, r in self.ledger.items() if set(r) >= {t.name for t in self.tasks})
         if done:
@@ -199,11 +273,13 @@ class Probes:
                 for seed in self.cfg.probe_seeds:
                     config = {"lr": lr, "seed": seed, "dropout": 0.1, "batch_size": self.cfg.probe_batch_size,
                               "warmup_steps": self.cfg.probe_warmup_steps}
-                    out = remote.remote(self.setups[task.name], config, self.data_refs[task.name], ref)
+                    out = remote.remote(self.setups[task.name], config, self.data_refs[task.name], ref,
+                                        self.cfg.probe_patience)
                     self.pending[out] = (step, task.name, lr, seed)
         self.submitted.add(step)
         print(f"[pretrain] probing step {step}: {len(self.tasks)} task(s) x {len(self.cfg.probe_lr)} lr x "
-              f"{len(self.cfg.probe_seeds)} seeds queued", flush=True)
+              f"{len(self.cfg.probe_seeds)} seeds queued, each up to {self.cfg.probe_max_steps} steps or "
+              f"{self.cfg.probe_patience} epochs without a better dev metric", flush=True)
 
     def collect(self, timeout: float = 0) -> None:
         """Results of finished trials; a (step, task) with all its trials in is logged and recorded."""
@@ -215,7 +291,7 @@ class Probes:
         for ref in ready:
             step, name, lr, seed = self.pending.pop(ref)
             try:
-                value = ray.get(ref)["value"]
+                value = ray.get(ref)
             except Exception as e:  # noqa: BLE001  (a failed trial is said, never the training run's end)
                 print(f"[pretrain] probe trial {name} step {step} lr {lr:g} seed {seed} failed: {e}", flush=True)
                 value = None
@@ -223,18 +299,32 @@ class Probes:
             if len(self.trials[(step, name)]) == len(self.cfg.probe_lr) * len(self.cfg.probe_seeds):
                 self.record(step, next(t for t in self.tasks if t.name == name), self.trials.pop((step, name)))
 
-    def record(self, step: int, task: "TaskRef", trials: dict[tuple[float, int], float | None]) -> None:
+    def record(self, step: int, task: "TaskRef", trials: dict[tuple[float, int], dict | None]) -> None:
         """A (step, task) with every trial in: logged against the step and written to the ledger."""
         done = {k: v for k, v in trials.items() if v is not None}
         if not done:  # nothing to log; not recorded, so a restarted stage tries again
             return
-        result = summarize(task, done)
+        baseline, baseline_name = self.baselines[task.name]
+        result = summarize(task, {k: v["value"] for k, v in done.items()}, baseline)
+        chosen = {s: done[(lr, s)] for lr, s in done if lr == result["lr"]}
+        result.update(baseline=baseline, baseline_name=baseline_name,
+                      best_epoch={str(s): r["epoch"] for s, r in sorted(chosen.items())},
+                      not_converged=[s for s, r in sorted(chosen.items()) if not r["converged"]])
         key = f"probe.{task.name}.{result['metric']}"
         self.ledger.setdefault(step, {})[task.name] = result
         write_ledger(self.run_dir, self.ledger)  # first: the plot has it even if the tracking server is down
-        self.tracker.log_metrics({key: result["mean"], f"{key}_std": result["std"]}, step=step)
+        self.tracker.log_metrics({key: result["mean"], f"{key}_std": result["std"],
+                                  f"probe.{task.name}.failed": len(result["failed"])}, step=step)
+        for f in result["failed"]:
+            print(f"[pretrain] probe step {step}: {task.name} lr {f['lr']:g} seed {f['seed']} collapsed "
+                  f"({result['metric']} {f['value']:.4f}; {baseline_name} {baseline:.4f}): a failed trial, left out "
+                  f"of its grid point's mean", flush=True)
+        if result["not_converged"]:
+            print(f"[pretrain] probe step {step}: {task.name} seeds {result['not_converged']} were still improving "
+                  f"when their {self.cfg.probe_max_steps} steps ran out; raise pretrain.probe_max_steps", flush=True)
         print(f"[pretrain] probe step {step}: {key} = {result['mean']:.4f} ± {result['std']:.4f} "
-              f"(lr {result['lr']:g}, {len(done)} of {len(trials)} trials)", flush=True)
+              f"(lr {result['lr']:g}, best epochs {list(result['best_epoch'].values())}, {len(done)} of "
+              f"{len(trials)} trials, {len(result['failed'])} collapsed)", flush=True)
 
     def checkpoints_to_probe(self) -> None:
         """Newly listed checkpoints of probe steps, once every rank's files are in: consolidated now (Ray Train
@@ -294,9 +384,10 @@ def start_watching(probes: Probes) -> tuple[threading.Thread, threading.Event]:
 # ----------------------------------------------------------------------------------------------- the picture
 
 def plot(ledger: dict[int, dict[str, Any]], val_loss: list[tuple[int, float]], path: Path, title: str = "",
-         loss_label: str = "loss") -> None:
-    """Each probe's dev metric (seed mean, spread as error bars) against the pretraining step; the validation loss
-    (`Objective.loss_label`) on a second axis."""
+         loss_label: str = "loss") -> list[str]:
+    """Each probe's dev metric (seed mean, spread as error bars) against the pretraining step, its task's baseline
+    as a dotted line and its collapsed seeds as crosses; the validation loss (`Objective.loss_label`) on a second
+    axis. Returns the legends' labels."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -307,8 +398,15 @@ def plot(ledger: dict[int, dict[str, Any]], val_loss: list[tuple[int, float]], p
     for name in names:
         steps = sorted(s for s in ledger if name in ledger[s])
         rows = [ledger[s][name] for s in steps]
-        ax.errorbar(steps, [r["mean"] for r in rows], yerr=[r["std"] for r in rows], marker="o", capsize=3,
-                    label=f"{name} dev {rows[0]['metric']}")
+        line = ax.errorbar(steps, [r["mean"] for r in rows], yerr=[r["std"] for r in rows], marker="o", capsize=3,
+                           label=f"{name} dev {rows[0]['metric']}")
+        color = line.lines[0].get_color()
+        if "baseline" in rows[-1]:
+            ax.axhline(rows[-1]["baseline"], linestyle=":", color=color,
+                       label=f"{name} {rows[-1]['baseline_name']}")
+        fails = [(s, f["value"]) for s, r in zip(steps, rows) for f in r.get("failed", [])]
+        if fails:
+            ax.scatter(*zip(*fails), marker="x", color=color, label=f"{name} collapsed seeds (not in the mean)")
     ax.set_xlabel("pretraining step")
     ax.set_ylabel("probe dev metric (seed mean ± std)")
     if val_loss:
@@ -323,7 +421,9 @@ def plot(ledger: dict[int, dict[str, Any]], val_loss: list[tuple[int, float]], p
         ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    labels = [t.get_text() for a in fig.axes if a.get_legend() for t in a.get_legend().get_texts()]
     plt.close(fig)
+    return labels
 
 
 def summary_line(ledger: dict[int, dict[str, Any]]) -> str:

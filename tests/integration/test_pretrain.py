@@ -483,8 +483,8 @@ def test_zero3_survives_worker_loss_and_stage_restart(ray_cluster_2_nodes, s3_se
     # with DeepSpeed's CPU offload of optimizer and parameters, and every 2nd layer checkpointed: neither changes a
     # loss (tests/unit/test_checkpointing.py), so every re-run step still repeats its first loss
     cfg = replace(BASE, zero_stage=3, max_steps=60, ckpt_interval=6, eval_interval=30, max_failures=1,
-                  probes=(str(probe_task),), probe_interval=60, probe_examples=48, probe_epochs=1, probe_seeds=(0,),
-                  probe_lr=(1e-3,), probe_warmup_steps=0, probe_max_seq_len=SEQ_LEN,
+                  probes=(str(probe_task),), probe_interval=60, probe_examples=48, probe_max_steps=3, probe_patience=1,
+                  probe_seeds=(0,), probe_lr=(1e-3,), probe_warmup_steps=0, probe_max_seq_len=SEQ_LEN,
                   offload="optimizer+parameters", activation_checkpointing="every-2")
     probe = "probe.tweet-names.f1"
     job = pretrain_job(cfg, "z3", workdir, tokens, model_cfg, lineage)
@@ -551,6 +551,7 @@ def test_zero3_survives_worker_loss_and_stage_restart(ray_cluster_2_nodes, s3_se
     probed = history(tracker, probe)
     assert sorted(s for s, _ in probed) == [0, 60], probed  # each once: the restarted stage skipped step 0
     assert all(0.0 <= v <= 1.0 for _, v in probed) and sorted(s for s, _ in history(tracker, probe + "_std")) == [0, 60]
+    assert [v for _, v in sorted(history(tracker, "probe.tweet-names.failed"))] == [0, 0]  # one seed: none collapses
     assert sorted(map(int, json.loads(storage.read(f"{storage.run('z3')}/probes.json")))) == [0, 60]
     assert (out / "probes.png").stat().st_size > 1000 and "probes.png" in {
         f.path for f in tracker.client.list_artifacts(tracker.run_id)}
