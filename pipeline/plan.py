@@ -52,7 +52,7 @@ class StageSpec:
 STAGES: tuple[StageSpec, ...] = (
     StageSpec("corpus", corpus.run, corpus.VERSION, ("corpus",), ("raw",),
               "exact + MinHash-LSH dedup, Parquet shards, 5% validation split (Ray Data)", corpus.dry_run,
-              check_inputs=corpus.check_inputs, tasks_use_paths=True),
+              check_inputs=corpus.check_inputs, prepare=corpus.prepare, tasks_use_paths=True),
     StageSpec("vocab", vocab.run, vocab.VERSION, ("vocab",), ("corpus",),
               "SentencePiece vocabulary with fixed special-token ids", check_inputs=vocab.check_inputs),
     StageSpec("tokenize", tokenize.run, tokenize.VERSION, ("tokenize",), ("corpus", "vocab"),
