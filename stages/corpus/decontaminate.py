@@ -43,8 +43,8 @@ def resolve(specs: Sequence[str], n: int, workdir: Path | None = None) -> Decont
     for spec in specs:
         path = Path(spec).expanduser()
         if spec not in builtin_tasks() and not (path.is_dir() or (workdir is not None and (workdir / path).is_dir())):
-            raise StageInputError(f"corpus.decontaminate={spec!r}: neither a built-in task ({', '.join(builtin_tasks())})"
-                                  f" nor a task directory; name one, as --task does")
+            raise StageInputError(f"corpus.decontaminate={spec!r}: neither a built-in task "
+                                  f"({', '.join(builtin_tasks())}) nor a task directory; name one, as --task does")
         try:
             tasks.append(resolve_task(spec, workdir))
         except StageInputError as e:
