@@ -338,8 +338,9 @@ def _contaminated(examples, texts) -> int:
     words = lambda t: re.findall(r"[^\W_]+", t.lower())  # noqa: E731
     grams = [[tuple(w[i:i + 13]) for i in range(len(w) - 12)] if len(w) >= 13 else [tuple(w)] if len(w) >= 8 else []
              for w in map(words, examples)]
-    sizes = {len(g[0]) for g in grams if g}
-    seen = {tuple(w[i:i + n]) for w in map(words, texts) for n in sizes for i in range(len(w) - n + 1)}
+    sizes, starts = {len(g[0]) for g in grams if g}, {g[:8] for ex in grams for g in ex}
+    seen = {tuple(w[i:i + n]) for w in map(words, texts) for i in range(len(w) - 7) if tuple(w[i:i + 8]) in starts
+            for n in sizes if i + n <= len(w)}  # every window of a text whose first 8 words start an example's gram
     return sum(any(g in seen for g in ex) for ex in grams)
 
 
