@@ -175,8 +175,17 @@ class CorpusConfig(Section):
     probability >= `language_threshold`; empty: no language identification."""
     language_threshold: float = 0.65
     """The probability the top language needs (datatrove's LanguageFilter default)."""
+    decontaminate: tuple[str, ...] = ()
+    """Fine-tuning tasks (built-in names or task directories, as `--task`) whose dev examples the corpus must not
+    hold: a document sharing a `decontaminate_ngram`-word n-gram with one (lower-cased, punctuation removed; GPT-3,
+    Brown et al. 2020, App. C) is removed whole, its rule `decontaminate:<task>` in filtered.parquet. *How*: the
+    tasks' content is hashed into the corpus artifact's id through the stage's `decontaminate` input, not their
+    names."""
+    decontaminate_ngram: int = 13
+    """Words per n-gram of `decontaminate` (an example shorter than this counts whole from 8 words; *how*: it is part
+    of the `decontaminate` input's id)."""
 
-    HOW: ClassVar[frozenset[str]] = frozenset({"sources"})
+    HOW: ClassVar[frozenset[str]] = frozenset({"sources", "decontaminate", "decontaminate_ngram"})
 
     def what(self) -> dict[str, Any]:
         """The rules by what they resolve to, so `all` and the list of its rules name one artifact."""
@@ -196,6 +205,8 @@ class CorpusConfig(Section):
         _check(self.num_perm >= 16, f"corpus.num_perm={self.num_perm}: use at least 16 permutations")
         _positive("corpus", self, "shingle_size", "rows_per_shard", "max_doc_bytes", "batch_size")
         resolve_filters(self.filters)
+        _check(self.decontaminate_ngram >= 8, f"corpus.decontaminate_ngram={self.decontaminate_ngram}: use at least 8 "
+                                              f"words (GPT-3 and NeMo Curator use 13)")
         _check(0.0 <= self.language_threshold < 1.0,
                f"corpus.language_threshold={self.language_threshold}: must be in [0, 1)")
         unknown = [code for code in self.languages if code not in language_codes()] if self.languages else []

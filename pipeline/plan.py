@@ -52,7 +52,7 @@ class StageSpec:
 STAGES: tuple[StageSpec, ...] = (
     StageSpec("corpus", corpus.run, corpus.VERSION, ("corpus",), ("raw",),
               "exact + MinHash-LSH dedup, Parquet shards, 5% validation split (Ray Data)", corpus.dry_run,
-              check_inputs=corpus.check_inputs, tasks_use_paths=True),
+              check_inputs=corpus.check_inputs, prepare=corpus.prepare, tasks_use_paths=True),
     StageSpec("vocab", vocab.run, vocab.VERSION, ("vocab",), ("corpus",),
               "SentencePiece vocabulary with fixed special-token ids", check_inputs=vocab.check_inputs),
     StageSpec("tokenize", tokenize.run, tokenize.VERSION, ("tokenize",), ("corpus", "vocab"),
@@ -61,7 +61,9 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec("pretrain", pretrain.run, pretrain.VERSION, ("pretrain", "model"), ("tokenize", "vocab", "corpus"),
               "DeBERTa MLM + EMD or DeBERTaV3 RTD, Ray Train + DeepSpeed ZeRO, MLflow registry", pretrain.dry_run,
               check=pretrain.check_config, prepare=pretrain.prepare, dry_run_reads=("tokenize",)),
-    StageSpec("finetune", finetune.run, finetune.VERSION, ("finetune", "model"), ("pretrain", "vocab", "task"),
+    # the corpus: what the checkpoint read, against which the dev split's contamination is measured
+    StageSpec("finetune", finetune.run, finetune.VERSION, ("finetune", "model"),
+              ("pretrain", "vocab", "task", "corpus"),
               "Ray Tune sweep over the Table 9 grid (+SiFT), champion in the MLflow registry", finetune.dry_run),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)

@@ -47,6 +47,8 @@ import pyarrow.compute as pc
 from core.errors import StageInputError
 from stages.base import StageContext, StageResult
 from stages.corpus import audit, by_source, dedup, exchange, ingest, report, shard
+from stages.corpus import decontaminate as decontamination
+from stages.corpus.decontaminate import prepare
 from stages.corpus.ingest import doc_id, list_sources, read_file
 from stages.corpus.listing import check_inputs, dry_run
 from stages.corpus.minhash import MinHasher, lsh_params
@@ -60,7 +62,7 @@ if TYPE_CHECKING:
     from core.config import CorpusConfig
 
 __all__ = ["VERSION", "RawCorpus", "Source", "check_inputs", "dry_run", "list_sources", "read_file", "doc_id",
-           "is_validation", "run"]
+           "is_validation", "prepare", "run"]
 
 VERSION = "5"
 
@@ -335,16 +337,16 @@ def run(cfg: CorpusConfig, *, inputs: dict, out: Path, ctx: StageContext) -> Sta
         near_pairs.parquet                      a, b, similarity: every confirmed near-duplicate pair
         rejected.parquet                        path, reason (unreadable files, undecodable or oversized records)
         filtered.parquet                        doc_id, path, source, rule, value, language: every document a
-                                                quality rule or language identification removed, and why
+                                                quality rule, language identification or decontamination removed, and why
         report.json, examples.json, dedup.png   counts, bytes, timings, the dedup distributions; a few pairs
         filters.png                             documents removed by rule and source
         sources.json                            named sources only: per source its spec and documents (`by_source`)
     """
     with _data_context():
-        return _run(cfg, inputs["raw"], Path(out))
+        return _run(cfg, inputs["raw"], Path(out), inputs)
 
 
-def _run(cfg: CorpusConfig, raw: RawCorpus, out: Path) -> StageResult:
+def _run(cfg: CorpusConfig, raw: RawCorpus, out: Path, inputs: dict) -> StageResult:
     import ray
 
     timings: dict[str, float] = {}
@@ -356,7 +358,9 @@ def _run(cfg: CorpusConfig, raw: RawCorpus, out: Path) -> StageResult:
 
     bands, rows = lsh_params(cfg.threshold, cfg.num_perm)
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-    filters = Filters(tuple(resolve_filters(cfg.filters).items()), cfg.languages, cfg.language_threshold)
+    decontaminate = inputs.get(decontamination.INPUT)
+    filters = Filters(tuple(resolve_filters(cfg.filters).items()), cfg.languages, cfg.language_threshold,
+                      decontaminate.tasks if decontaminate else ())
     fp = ingest.Fingerprinter(MinHasher(cfg.num_perm, cfg.seed, cfg.shingle, cfg.shingle_size), bands, rows, filters)
     stage = out / STAGED
     stage.mkdir()
@@ -389,6 +393,8 @@ def _run(cfg: CorpusConfig, raw: RawCorpus, out: Path) -> StageResult:
     timings["total_s"] = round(sum(timings.values()), 3)
     body = report.build(cfg, sources, counts, timings, text_bytes, bands, rows, dedup.MAX_BUCKET)
     body["filters"] = {"rules": resolve_filters(cfg.filters), **audited.summary()}
+    if decontaminate:
+        body["filters"]["decontaminate"] = decontaminate.source
     if raw.blend:
         body["sources"] = by_source.write(out, raw.blend, raw.ranks, read, kept,
                                           [audited.removed_from(s.name) for s in raw.blend])

@@ -142,6 +142,7 @@ def warnings(audit: Audit) -> list[str]:
         read = audit.read.get(source, 0)
         if read and n > WARN_SHARE * read:
             setting = ("corpus.languages / corpus.language_threshold" if rule == "language"
+                       else "corpus.decontaminate" if rule.startswith("decontaminate:")
                        else f"corpus.filters ({rule}=off, or another threshold)")
             out.append(f"warning: corpus rule {rule} removed {n:,} of the {read:,} documents of source {source!r} "
                        f"({n / read:.0%}); if that is not junk, change {setting}")

@@ -512,9 +512,14 @@ FILTERED = "removed by a corpus filter"
 deduplicated or written to the splits, but listed in filtered.parquet rather than rejected.parquet."""
 
 
+DECONTAMINATE = "decontaminate:"
+"""The rule of a document removed for sharing an n-gram with a dev example of a task: this prefix and the task."""
+
+
 def apply_filters(batch: pa.Table, filters: Filters) -> pa.Table:
-    """Add rule (the first rule removing the document, or "language"; null: kept), value (its measure, or the top
-    language's probability) and language (the top language; null when identification is off); a removed
+    """Add rule (the first rule removing the document, "language", or `decontaminate:<task>`; null: kept), value
+    (its measure, the top language's probability, or the number of its windows that are the task's dev n-grams)
+    and language (the top language; null when identification is off); a removed
     document's reason becomes FILTERED. Before fingerprinting, so dedup never reads what the rules removed."""
     n = batch.num_rows
     rule, value = np.full(n, None, object), np.full(n, np.nan)
@@ -530,6 +535,11 @@ def apply_filters(batch: pa.Table, filters: Filters) -> pa.Table:
         left = np.flatnonzero(rule[ok] == None)  # noqa: E711 (elementwise): what language identification kept
         fired, measured = first_rule(texts.take(pa.array(left)), dict(filters.rules))
         rule[ok[left]], value[ok[left]] = fired, measured
+    for task, grams in filters.decontaminate if len(ok) else ():  # GPT-3's rule: the whole document goes
+        left = np.flatnonzero(rule[ok] == None)  # noqa: E711 (elementwise): what the rules kept
+        shared = grams.matches(texts.take(pa.array(left)))[0]
+        hit = left[shared > 0]
+        rule[ok[hit]], value[ok[hit]] = f"{DECONTAMINATE}{task}", shared[shared > 0]
     removed = rule != None  # noqa: E711
     reasons = pc.if_else(pa.array(removed), pa.scalar(FILTERED, pa.string()), batch.column("reason"))
     return (batch.set_column(batch.schema.get_field_index("reason"), "reason", reasons)

@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from core.contamination import DevGrams
 from core.corpus_filters import BY_NAME, LINE, RULES
 
 LINE_BREAK = "\r\n|[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]"  # what str.splitlines splits on
@@ -46,18 +47,21 @@ SENTENCE_BREAK = r"[.!?]+[\"'”’)\]]*[\s\pZ]+\S"  # an end of sentence with m
 LANGID_CHARS = 2_000  # py3langid's cost is linear in bytes; the first 2,000 characters decide a page's language
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Filters:
-    """What the stage removes (picklable, sent to every Ray worker): rules on with their thresholds, and the
-    languages kept (empty: no language identification) above `language_threshold`."""
+    """What the stage removes (picklable, sent to every Ray worker): rules on with their thresholds, the
+    languages kept (empty: no language identification) above `language_threshold`, and the dev n-grams of the
+    tasks of `corpus.decontaminate` by task name (`stages.corpus.decontaminate`). Ray Data puts a map's arguments
+    in the object store once per pass, so the n-gram keys are built on the driver and read by every worker."""
 
     rules: tuple[tuple[str, float], ...] = ()
     languages: tuple[str, ...] = ()
     language_threshold: float = 0.65
+    decontaminate: tuple[tuple[str, DevGrams], ...] = ()
 
     @property
     def on(self) -> bool:
-        return bool(self.rules or self.languages)
+        return bool(self.rules or self.languages or self.decontaminate)
 
 
 # ---------------------------------------------------------------- splitting a batch

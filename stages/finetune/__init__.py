@@ -9,6 +9,7 @@
     sweep.py     the Tune grid, trials as nested MLflow runs, selection
     registry.py  the champion's model/ and hf/, the sweep plot, the registry entry
     control.py   finetune.control=scratch: the same sweep from the initial weights, the gain on the registry version
+    contamination.py  the dev examples the pretraining corpus holds (GPT-3's 13-grams), on the registry version
 
 Outputs: model/ (config.json, model.pt, finetune.json, tokenizer/), hf/ (DebertaV2For{Sequence,Token}-
 Classification or DebertaV2ForQuestionAnswering with its tokenizer and label names), onnx/model.onnx (hf/ for
@@ -30,6 +31,7 @@ from deberta.config import DebertaConfig
 from core.tokenizer import Tokenizer
 from core.errors import StageInputError
 from stages.base import StageContext, StageResult
+from stages.finetune import contamination
 from stages.finetune.control import run_control
 from stages.finetune.data import ExternalCheckpoint, load_pretrained, prepare_data
 from stages.finetune.kinds.base import TaskRef
@@ -95,7 +97,11 @@ def run(cfg: FinetuneConfig, *, model: DebertaConfig, inputs: dict[str, Any], ou
     onnx = export_onnx(out / "hf", out / "onnx", data[1].ids)
     print(f"[finetune] onnx/ {onnx}", flush=True)
     control = run_control(setup, data, ctx, metric, champion, out) if cfg.control == "scratch" else {}
-    version = register_champion(ctx, out, task, champion, baseline, init, control.get("tags"), onnx)
+    contaminated = contamination.measure(inputs.get("corpus"), task, ctx.workdir)
+    print(f"[finetune] dev contamination: {contaminated['figure']} (dev examples sharing a 13-gram with the "
+          f"pretraining corpus)", flush=True)
+    version = register_champion(ctx, out, task, champion, baseline, init,
+                                {**control.get("tags", {}), **contamination.tags(contaminated)}, onnx)
     name = f"deberta-{ctx.preset}-{task.name}"
     trial_cfg = {k: _jsonable(champion)[k] for k in (*GRID_KEYS, "seed")}
     # every dev figure of the served epoch, on the stage's run (the v2.0 threshold among them)
@@ -105,7 +111,8 @@ def run(cfg: FinetuneConfig, *, model: DebertaConfig, inputs: dict[str, Any], ou
         metrics={f"best_{metric}": float(champion[metric]), f"best_{metric}_seed_mean": champion["seed_mean"],
                  "champion_epoch": champion["best_epoch"], **champion_figures,
                  **{name: baseline for name in ("baseline", *task.kind.baseline_aliases)},
-                 **control.get("metrics", {})},
+                 **control.get("metrics", {}),
+                 **({"dev_contamination_fraction": contaminated["fraction"]} if "fraction" in contaminated else {})},
         counts={"trials": len(table), "trial_epochs": int(table["epochs"].sum()),
                 "train_examples": len(data[0]), "dev_examples": len(data[1])},
         log_files=("results.csv", "sweep.png", "champion.json", *(("results_scratch.csv",) if control else ())),
@@ -113,5 +120,6 @@ def run(cfg: FinetuneConfig, *, model: DebertaConfig, inputs: dict[str, Any], ou
                              f"vs {baseline_name} {baseline:.4f}; trial {json.dumps(trial_cfg)}, epoch "
                              f"{champion['best_epoch']} ({others})"
                              + (f"; gain over scratch {control['metrics']['gain_over_scratch']:+.4f} (seed means)"
-                                if control else "")},
+                                if control else "")
+                             + f"; dev contamination: {contaminated['figure']}"},
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -247,11 +248,18 @@ def small_corpus(news_subset) -> Path:
 def test_pipeline_job_end_to_end(ray_cluster_2_nodes, s3_server, mlflow_server, small_corpus,  # noqa: F811
                                  tmp_path_factory):
     """Every stage on both nodes with the corpus, the workdir and Ray's storage in the bucket."""
+    import pyarrow.parquet as pq
     from mlflow.tracking import MlflowClient
 
+    from stages.finetune.tasks import resolve_task
+
     cluster, fs, bucket = ray_cluster_2_nodes, s3_server.filesystem(), s3_server.bucket
+    reviews = resolve_task("rotten-tomatoes").dev.text_a
+    articles = [json.loads(line) for line in small_corpus.read_text().splitlines()]
+    for article, review in zip(articles, [r for r in reviews if len(r.split()) >= 20][:6]):
+        article["text"] += f"\n\n{review}"  # 6 dev reviews in news articles the run pretrains on
     with fs.open_output_stream(f"{bucket}/e2e-corpus/news.jsonl", compression=None) as out:
-        out.write(small_corpus.read_bytes())
+        out.write("".join(json.dumps(a) + "\n" for a in articles).encode())
     # the local side holds the build area, the copies of what stages read and the locks: corpus and tokenize's tasks
     # read and write it on both nodes (both raylets see this path; pipeline.executor checks that they do)
     workdir = tmp_path_factory.mktemp("shared") / "local"
@@ -272,8 +280,6 @@ def test_pipeline_job_end_to_end(ray_cluster_2_nodes, s3_server, mlflow_server, 
     import numpy as np
     import pandas as pd
     import pyarrow.fs as pafs
-
-    from stages.finetune.tasks import resolve_task
 
     mlflow.set_tracking_uri(mlflow_server)
     served = mlflow.pyfunc.load_model("models:/deberta-debug-v3-rotten-tomatoes@champion")
@@ -298,6 +304,13 @@ def test_pipeline_job_end_to_end(ray_cluster_2_nodes, s3_server, mlflow_server, 
     assert list(predicted["score"][:32]) == pytest.approx(probs.max(-1).values.tolist(), abs=1e-4)
     corpus_id = pretrained.tags["corpus"]
     assert corpus_id and champion.tags["corpus"] == corpus_id
+    # the dev reviews planted in the corpus are reported on the champion, as a plain reading of the train shards finds
+    # them (GPT-3's 13-grams, Brown et al. 2020, App. C; 8-12-word reviews whole)
+    train = fs.get_file_info(pafs.FileSelector(f"{bucket}/e2e/artifacts/corpus/{corpus_id}/train"))
+    texts = [t for f in train for t in pq.read_table(fs.open_input_file(f.path), columns=["text"])["text"].to_pylist()]
+    hit = _contaminated(reviews, texts)
+    assert hit >= 1 and champion.tags["dev_contaminated_examples"] == str(hit), (hit, champion.tags)
+    assert champion.tags["dev_contamination"] == f"{hit:,} of {len(reviews):,} ({hit / len(reviews):.1%})"
     assert champion.tags["pretrain"] == pretrained.tags["pretrain"]
     for stage, art_id in (("corpus", corpus_id), ("pretrain", pretrained.tags["pretrain"]),
                           ("finetune", champion.tags["sweep"])):  # each complete in the bucket
@@ -318,6 +331,17 @@ def test_pipeline_job_end_to_end(ray_cluster_2_nodes, s3_server, mlflow_server, 
     assert set(nodes) == {"node_head", "node_worker"}
     assert sorted(metrics["worker_nodes"]) == sorted(nodes.values()), (metrics["worker_nodes"], nodes)
     # (--force discarding the Ray Train run it would restore: tests/unit/test_force.py)
+
+
+def _contaminated(examples, texts) -> int:
+    """Examples sharing a 13-gram of lower-cased words (punctuation dropped) with `texts`; one of 8-12 words whole."""
+    words = lambda t: re.findall(r"[^\W_]+", t.lower())  # noqa: E731
+    grams = [[tuple(w[i:i + 13]) for i in range(len(w) - 12)] if len(w) >= 13 else [tuple(w)] if len(w) >= 8 else []
+             for w in map(words, examples)]
+    sizes, starts = {len(g[0]) for g in grams if g}, {g[:8] for ex in grams for g in ex}
+    seen = {tuple(w[i:i + n]) for w in map(words, texts) for i in range(len(w) - 7) if tuple(w[i:i + 8]) in starts
+            for n in sizes if i + n <= len(w)}  # every window of a text whose first 8 words start an example's gram
+    return sum(any(g in seen for g in ex) for ex in grams)
 
 
 def test_down_leaves_no_process(ray_cluster_2_nodes):

@@ -322,7 +322,7 @@ def test_finetunes_from_the_pretrained_registry_version(continued_mlm, mlflow_se
     """`python -m pipeline.run --pretrained models:/deberta-debug-pretrained/N` in a fresh workdir: the version's
     export is downloaded byte for byte (the pretrain artifact's hf/) and fine-tuned alone, on the version's
     architecture (not the debug preset's); the stage's run logs the version as its input, a registry source, and the
-    champion names the version it started from."""
+    champion names the version it started from, and says its dev contamination is unknown."""
     import hashlib
 
     from deberta import checkpoint
@@ -353,3 +353,5 @@ def test_finetunes_from_the_pretrained_registry_version(continued_mlm, mlflow_se
     assert champion, res.stdout[-2000:]
     mv = client.get_model_version("deberta-debug-rotten-tomatoes", champion.group(1))
     assert mv.tags["init"] == uri and mv.tags["sweep"] == ran["finetune"][0] and mv.run_id == stage_run.info.run_id
+    # an external checkpoint's pretraining corpus is not this pipeline's to read: its dev contamination is unknown
+    assert mv.tags["dev_contamination"] == "unknown" and "; dev contamination: unknown" in res.stdout, mv.tags

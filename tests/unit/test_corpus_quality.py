@@ -142,3 +142,38 @@ def test_the_rules_resolve_to_one_artifact_whichever_way_they_are_written():
                               "c4_curly_brace"))
     assert spelled.what() == CorpusConfig(filters=("c4",)).what() != CorpusConfig().what()
     assert resolve(("all", "gopher_quality=off", "gopher_min_words=20"))["gopher_min_words"] == 20
+
+
+def _plain_13grams(text: str, n: int = 13) -> set[tuple[str, ...]]:
+    words = re.findall(r"[^\W_]+", text.lower())
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def test_planted_dev_examples_are_removed_with_their_rule(lee):
+    """Rotten Tomatoes dev reviews written into real news stories (one shouted, its punctuation changed) are removed
+    by `decontaminate:rotten-tomatoes` in the filter pass, each with the number of its windows that are dev
+    13-grams, as a plain reading of GPT-3's rule counts them (Brown et al. 2020, App. C); the news around them, and
+    a train review planted the same way, are kept."""
+    from stages.corpus import decontaminate, ingest
+    from stages.finetune.tasks import resolve_task
+
+    task = resolve_task("rotten-tomatoes")
+    dev = [t for t in task.dev.text_a if len(t.split()) >= 20][:3]
+    train = next(t for t in task.train.text_a if len(t.split()) >= 20)
+    planted = [f"{lee[0]} {dev[0]} {lee[1]}", f"{lee[2]}\n\n{dev[1].upper().replace(',', ' ;')}",
+               f"{dev[2]} {lee[3]}", f"{lee[4]} {train} {lee[5]}"]
+    docs = lee[:60] + planted
+    batch = pa.table({"text": _texts(docs), "reason": pa.nulls(len(docs), pa.string())})
+    found = decontaminate.resolve(["rotten-tomatoes"], 13)
+    out = ingest.apply_filters(batch, quality.Filters(decontaminate=found.tasks))
+    rules, values = out.column("rule").to_pylist(), out.column("value").to_pylist()
+    assert rules == [None] * 60 + ["decontaminate:rotten-tomatoes"] * 3 + [None], Counter(rules)
+    assert out.column("reason").to_pylist()[60:] == [ingest.FILTERED] * 3 + [None]
+    grams = set().union(*(_plain_13grams(t) for t in task.dev.text_a))
+    windows = [sum(g in grams for g in _windows_of(d)) for d in planted[:3]]
+    assert values[60:63] == windows and min(windows) >= 8, (values[60:], windows)
+
+
+def _windows_of(text: str, n: int = 13) -> list[tuple[str, ...]]:
+    words = re.findall(r"[^\W_]+", text.lower())
+    return [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]

@@ -94,11 +94,13 @@ MISTAKES = [
                                        "set corpus.jsonl_field to the field holding the text, e.g. --set "
                                        "corpus.jsonl_field=content"),
     (["--corpus", "{body}"], "body.parquet has no column 'text' (columns: id, body); set corpus.parquet_column"),
+    (["--corpus", "{a}", "--until", "corpus", "--set", "corpus.decontaminate=rotten-tomatoes,no-such-task"],
+     "corpus.decontaminate='no-such-task': neither a built-in task"),
     ]
 NAMES = ["readme-only", "one-document", "vocab-too-large", "force-unknown", "only-on-empty", "force-outside-until",
          "force-outside-only", "task-twice", "task-flag-twice", "task-not-planned", "empty-dir", "proc-workdir",
          "s3-no-credentials", "gpu-preset-on-cpu", "probe-not-a-task", "jsonl-field-elsewhere",
-         "parquet-column-elsewhere"]
+         "parquet-column-elsewhere", "decontaminate-not-a-task"]
 ONCE = {"s3-no-credentials"}
 """Cases run as a dry run only: the same listing refuses them in both, and the store's retries take seconds."""
 
@@ -127,6 +129,16 @@ def test_a_mistake_is_one_error_line_first(args, fragment, dry, corpora, tmp_pat
         assert lines[0].endswith(")") and "(the store said: " in lines[0], lines[0]
         said = lines[0].split("(the store said: ", 1)[1]
         assert said.count("(") + 1 == said.count(")"), said
+
+
+def test_only_decontamination_changes_the_corpus_id(corpora, tmp_path):
+    """The task a run fine-tunes on leaves the corpus artifact alone; naming it in corpus.decontaminate makes another
+    corpus (GPT-3's 13-gram rule, Brown et al. 2020, App. C), and another task another one again."""
+    base = ["--corpus", str(corpora["a"]), "--workdir", str(tmp_path / "wd"), "--dry-run"]
+    plans = [_plan(pipeline_main([*base, *extra]).stdout)["corpus"] for extra in (
+        ["--until", "corpus"], ["--task", "wnut16-ner"], ["--task", "wnut16-ner", "--set", "corpus.decontaminate=wnut16-ner"],
+        ["--until", "corpus", "--set", "corpus.decontaminate=lee-sts"])]
+    assert plans[0] == plans[1] and len(set(plans[1:])) == 3, plans
 
 
 def test_a_dry_run_writes_nothing(tmp_path):

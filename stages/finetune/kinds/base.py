@@ -173,6 +173,10 @@ class TaskKind:
         """Every metric of the kind from the dev rows' outputs (in row order)."""
         raise NotImplementedError
 
+    def texts(self, split: Any) -> list[tuple[str, ...]]:
+        """Each example's texts as a reader sees them (what decontamination looks for in a corpus)."""
+        raise NotImplementedError
+
     def baseline(self, task: TaskRef) -> tuple[float, str]:
         """(selection metric on dev, what it is) of the rule a practitioner tries first."""
         raise NotImplementedError

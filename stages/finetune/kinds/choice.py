@@ -210,6 +210,9 @@ class ChoiceKind(TaskKind):
     def dev_metrics(self, outputs: list[np.ndarray], dev: Encoded) -> dict[str, float]:
         return {"accuracy": accuracy(np.asarray(outputs)[:, 0], dev.label)}
 
+    def texts(self, split: ChoiceSplit) -> list[tuple[str, ...]]:
+        return [(c, q, *o) for c, q, o in zip(split.context, split.question, split.options)]
+
     def baseline(self, task: TaskRef) -> tuple[float, str]:
         position = Counter(task.train.label).most_common(1)[0][0]
         return accuracy(np.full(len(task.dev), position), np.asarray(task.dev.label)), "majority position"

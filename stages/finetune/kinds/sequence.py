@@ -367,6 +367,9 @@ class SequenceKind(TaskKind):
             return [{"score": float(o[0])} for o in outputs]
         return [{"label": settings["id2label"][str(int(o[0]))], "score": float(o[1])} for o in outputs]
 
+    def texts(self, split: Split) -> list[tuple[str, ...]]:
+        return [tuple(t) for t in zip(split.text_a, *(() if split.text_b is None else (split.text_b,)))]
+
     def baseline(self, task: TaskRef) -> tuple[float, str]:
         return majority_baseline(task), "majority baseline" if task.problem == CLASSIFICATION else "train-mean baseline"
 

@@ -326,6 +326,9 @@ class SpanKind(TaskKind):
                 out.append({"answer": context[a:b], "score": score, "start": a, "end": b})
         return out
 
+    def texts(self, split: SpanSplit) -> list[tuple[str, ...]]:
+        return [(qa.question, qa.context) for qa in split.questions]
+
     def baseline(self, task: TaskRef) -> tuple[float, str]:
         texts = {}
         for i, qa in enumerate(task.dev.questions):

@@ -348,6 +348,9 @@ class TokenKind(TaskKind):
             out.append({"entities": entities})
         return out
 
+    def texts(self, split: TokenSplit) -> list[tuple[str, ...]]:
+        return [(" ".join(words),) for words in split.words]
+
     def baseline(self, task: TaskRef) -> tuple[float, str]:
         counts: dict[str, Counter] = {}
         for words, tags in zip(task.train.words, task.train.tags):
