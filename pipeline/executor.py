@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import shutil
 import sys
+import tempfile
 import time
 import traceback
 import uuid
@@ -24,6 +25,7 @@ from core.storage import filesystem
 from core.artifacts import Artifact, ArtifactStore, is_disk_full, watching_writes
 from core.config import ConfigError, PipelineConfig, check_cluster
 from core.lineage import TAG_STATUS, Lineage, Tracker
+from pipeline import suite
 from pipeline.plan import PlannedStage
 
 
@@ -42,6 +44,8 @@ class Outcome:
     error: str = ""
     failed: dict[str, str] = field(default_factory=dict)
     """stage (`finetune:<task>` for a task of several) -> its error."""
+    table: str = ""
+    """The fine-tuned tasks' row (pipeline/suite.py), as text."""
 
 
 def _input_refs(st: PlannedStage, store: ArtifactStore, objects: dict[str, Any]) -> dict[str, Any]:
@@ -311,6 +315,8 @@ def execute(cfg: PipelineConfig, plan: list[PlannedStage], objects: dict[str, An
         elif not _run_stage(cfg, st, refs, store, workdir, tracker, dict(ids), outcome):
             # what does not read it still runs: the other tasks of a suite are independent of a failed one
             failed.add(st.spec.name)
+    with tempfile.TemporaryDirectory(prefix="suite-") as scratch:  # logged on the parent run, nothing kept here
+        outcome.table = suite.report(plan, objects, store, parent, cfg.preset, outcome, Path(scratch))
     if not failed:
         parent.end()
         return outcome
@@ -382,6 +388,9 @@ def print_summary(outcome: Outcome, store: ArtifactStore, seconds: float) -> Non
         print(f"  {stage:<9} {art_id}  ({how})  {store.location(stage.partition(':')[0], art_id)}")
     for key, value in outcome.summary.items():
         print(f"  {key}: {value}")
+    if outcome.table:
+        print(f"fine-tuned tasks (DeBERTa Table 2's row; {suite.TABLE_FILE} and {suite.PLOT_FILE} on the run):")
+        print("\n".join(f"  {line}" for line in outcome.table.splitlines()))
     print(f"MLflow: {outcome.tracking_uri} (parent run {outcome.parent_run_id})")
     if outcome.tracking_uri.startswith("sqlite"):
         print(f"  open the UI: mlflow ui --backend-store-uri {outcome.tracking_uri} --host 127.0.0.1 --port 5000")
