@@ -379,8 +379,9 @@ def _fail(st: PlannedStage, tracker: Tracker, outcome: Outcome, message: str) ->
     print(f"error: stage {st.name} failed: {message}", file=sys.stderr, flush=True)
     outcome.ok = False
     outcome.failed[st.name] = message
-    outcome.error = message if len(outcome.failed) == 1 else f"{len(outcome.failed)} stages failed: " + "; ".join(
-        f"{name}: {m}" for name, m in outcome.failed.items())
+    named = "; ".join(f"{name}: {m}" for name, m in outcome.failed.items())  # which task of a suite failed
+    outcome.error = (named if st.one_of_several else message) if len(outcome.failed) == 1 else \
+        f"{len(outcome.failed)} stages failed: {named}"
     return False
 
 
