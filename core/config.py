@@ -427,7 +427,8 @@ class PretrainConfig(Section):
 class FinetuneConfig(Section):
     task: str = "rotten-tomatoes"
     """Built-in task name or a task directory: GLUE-format train/dev files, CoNLL/JSONL token files or SQuAD JSON
-    (docs/serving.md)."""
+    (docs/serving.md); or several, comma-separated, and `all` (every built-in task): each is its own sweep,
+    artifact and registry model, and the run prints and logs their table (DeBERTa Table 2's row; pipeline/suite.py)."""
     init: str = ""
     """The checkpoint to fine-tune: "" = this pipeline's pretrain artifact; an HF DeBERTa-v2 directory; or a
     registry version, models:/NAME/VERSION or models:/NAME@ALIAS (downloaded into the workdir). Not empty, the
@@ -501,6 +502,8 @@ class FinetuneConfig(Section):
     stage's inputs, so one checkpoint reached by two paths is one artifact."""
 
     def check(self) -> None:
+        _check(all(t.strip() for t in self.task.split(",")),
+               f"finetune.task={self.task!r}: an empty task name; list tasks as A,B,C")
         _check(self.scheduler in ("grid", "asha"), f"finetune.scheduler={self.scheduler!r}: use grid or asha")
         for name in ("dropout", "warmup_steps", "lr", "batch_size", "seeds"):
             _check(len(getattr(self, name)) > 0, f"finetune.{name} is empty: give at least one value")

@@ -408,6 +408,41 @@ def _model_version(client: MlflowClient, uri: str, tracking_uri: str):
                          f"{', '.join(registered.aliases) or 'none'})") from None
 
 
+def champion_version(tracking_uri: str, name: str, sweep: str) -> tuple[str, dict[str, str]]:
+    """(version, tags) of registry model `name`'s newest version registered by sweep artifact `sweep` (its `sweep`
+    tag), or ("", {}) when there is none."""
+    client = _client(tracking_uri)
+    try:
+        versions = [v for v in client.search_model_versions(f"name = '{name}'") if v.tags.get("sweep") == sweep]
+    except mlflow.exceptions.MlflowException:
+        return "", {}
+    if not versions:
+        return "", {}
+    newest = max(versions, key=lambda v: int(v.version))
+    return newest.version, dict(newest.tags)
+
+
+def logged_json(tracking_uri: str, ref: str, artifact: str) -> tuple[str, dict[str, Any]]:
+    """(the pipeline run's id, the JSON file `artifact` it logged) for `ref`: that run's id, or a registry version
+    (models:/NAME/VERSION or @ALIAS) whose stage run it is the parent of. ValueError saying what is missing."""
+    client = _client(tracking_uri)
+    run_id = ref
+    if ref.startswith(MODELS_URI):
+        version = _model_version(client, ref, tracking_uri)
+        run_id = client.get_run(version.run_id).data.tags.get("mlflow.parentRunId", version.run_id)
+    try:
+        client.get_run(run_id)
+    except mlflow.exceptions.MlflowException:
+        raise ValueError(f"{ref}: no run of that id in {tracking_uri}; give a pipeline run's id (the summary's "
+                         f"'parent run') or models:/NAME/VERSION") from None
+    try:
+        with open(client.download_artifacts(run_id, artifact)) as f:
+            return run_id, json.load(f)
+    except (OSError, mlflow.exceptions.MlflowException):
+        raise ValueError(f"{ref}: run {run_id} logged no {artifact} (a run that fine-tuned nothing, or one from "
+                         f"before the table was logged)") from None
+
+
 def _export_path(model_dir: Path) -> str:
     """Where a downloaded MLflow Model keeps its HF export: the pyfunc's artifact `hf` ("" if it has none)."""
     if not (model_dir / "MLmodel").is_file():

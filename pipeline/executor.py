@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import shutil
 import sys
+import tempfile
 import time
 import traceback
 import uuid
@@ -24,6 +25,7 @@ from core.storage import filesystem
 from core.artifacts import Artifact, ArtifactStore, is_disk_full, watching_writes
 from core.config import ConfigError, PipelineConfig, check_cluster
 from core.lineage import TAG_STATUS, Lineage, Tracker
+from pipeline import suite
 from pipeline.plan import PlannedStage
 
 
@@ -40,14 +42,19 @@ class Outcome:
     tracking_uri: str = ""
     parent_run_id: str = ""
     error: str = ""
+    failed: dict[str, str] = field(default_factory=dict)
+    """stage (`finetune:<task>` for a task of several) -> its error."""
+    table: str = ""
+    """The fine-tuned tasks' row (pipeline/suite.py), as text."""
 
 
 def _input_refs(st: PlannedStage, store: ArtifactStore, objects: dict[str, Any]) -> dict[str, Any]:
     refs = {}
     for name, art_id in st.input_ids.items():
-        refs[name] = objects[name] if name in objects else store.find(name, art_id, fetching=not st.cached)
+        key = st.object_key(name)
+        refs[name] = objects[key] if key in objects else store.find(name, art_id, fetching=not st.cached)
         if refs[name] is None:
-            raise RuntimeError(f"input {name}:{art_id} of stage {st.spec.name} is missing")
+            raise RuntimeError(f"input {name}:{art_id} of stage {st.name} is missing")
     return refs
 
 
@@ -291,23 +298,33 @@ def execute(cfg: PipelineConfig, plan: list[PlannedStage], objects: dict[str, An
     for st in plan:
         if st.forced:
             gone = discard_resumable_state(st, store, storage_path(cfg, store))
-            print(f"[{st.spec.name}] --force: recomputing from scratch; discarded resumable state "
+            print(f"[{st.name}] --force: recomputing from scratch; discarded resumable state "
                   f"{', '.join(gone) if gone else '(none)'}", flush=True)
     ids = {name: obj.id for name, obj in objects.items() if hasattr(obj, "id")}
+    failed: set[str] = set()
     for st in plan:
+        if failed & set(st.input_ids):  # its input failed: nothing to build it from
+            continue
         refs = _input_refs(st, store, objects)
         ids[st.spec.name] = st.artifact_id
         tracker = lineage.stage_run(st.spec.name, st.artifact_id, st.config, _lineage_inputs(refs), st.cached)
         if st.cached:
-            print(f"[{st.spec.name}] cached: artifact {st.artifact_id} exists, skipping", flush=True)
+            print(f"[{st.name}] cached: artifact {st.artifact_id} exists, skipping", flush=True)
             tracker.end()
-            outcome.artifacts[st.spec.name] = (st.artifact_id, "cached")
-            continue
-        if not _run_stage(cfg, st, refs, store, workdir, tracker, dict(ids), outcome):
-            with contextlib.suppress(Exception):  # _fail said it already if the store cannot be written
-                parent.end("FAILED")
-            return outcome
-    parent.end()
+            outcome.artifacts[st.name] = (st.artifact_id, "cached")
+        elif not _run_stage(cfg, st, refs, store, workdir, tracker, dict(ids), outcome):
+            # what does not read it still runs: the other tasks of a suite are independent of a failed one
+            failed.add(st.spec.name)
+    try:
+        with tempfile.TemporaryDirectory(prefix="suite-") as scratch:  # logged on the parent run, nothing kept here
+            outcome.table = suite.report(plan, objects, store, parent, cfg.preset, outcome, Path(scratch))
+    except Exception as e:  # noqa: BLE001  (the stages' outcome stands: the table's absence is said in one line)
+        print(f"warning: the fine-tuned tasks' table was not made: {type(e).__name__}: {e}", file=sys.stderr)
+    if not failed:
+        parent.end()
+        return outcome
+    with contextlib.suppress(Exception):  # _fail said it already if the store cannot be written
+        parent.end("FAILED")
     return outcome
 
 
@@ -323,7 +340,7 @@ def _run_stage(cfg: PipelineConfig, st: PlannedStage, refs: dict[str, Any], stor
         tracker=tracker, lineage=lineage_ids, preset=cfg.preset)
     manifest = {"stage": st.spec.name, "id": st.artifact_id, "version": st.spec.version,
                 "config": st.config, "inputs": st.input_ids}
-    print(f"[{st.spec.name}] running -> {store.location(st.spec.name, st.artifact_id)}", flush=True)
+    print(f"[{st.name}] running -> {store.location(st.spec.name, st.artifact_id)}", flush=True)
     started = time.time()
     out = None
     try:
@@ -347,9 +364,9 @@ def _run_stage(cfg: PipelineConfig, st: PlannedStage, refs: dict[str, Any], stor
     tracker.log_metrics({**result.metrics, "stage_seconds": elapsed})
     tracker.set_tags({TAG_STATUS: "finished", **{f"pipeline.count.{k}": v for k, v in result.counts.items()}})
     tracker.end()
-    outcome.artifacts[st.spec.name] = (st.artifact_id, "ran")
-    outcome.summary.update(result.summary)
-    print(f"[{st.spec.name}] done in {elapsed:.0f}s: artifact {st.artifact_id}", flush=True)
+    outcome.artifacts[st.name] = (st.artifact_id, "ran")
+    outcome.summary.update({f"{k}:{st.task}" if st.one_of_several else k: v for k, v in result.summary.items()})
+    print(f"[{st.name}] done in {elapsed:.0f}s: artifact {st.artifact_id}", flush=True)
     return True
 
 
@@ -359,8 +376,12 @@ def _fail(st: PlannedStage, tracker: Tracker, outcome: Outcome, message: str) ->
         tracker.end("FAILED")
     except Exception as e:  # noqa: BLE001  (a full disk may hold the store too: the stage's error comes first)
         message += f" (its MLflow run could not be marked failed: {type(e).__name__}: {str(e)[:200]})"
-    print(f"error: stage {st.spec.name} failed: {message}", file=sys.stderr, flush=True)
-    outcome.ok, outcome.error = False, message
+    print(f"error: stage {st.name} failed: {message}", file=sys.stderr, flush=True)
+    outcome.ok = False
+    outcome.failed[st.name] = message
+    named = "; ".join(f"{name}: {m}" for name, m in outcome.failed.items())  # which task of a suite failed
+    outcome.error = (named if st.one_of_several else message) if len(outcome.failed) == 1 else \
+        f"{len(outcome.failed)} stages failed: {named}"
     return False
 
 
@@ -368,9 +389,12 @@ def print_summary(outcome: Outcome, store: ArtifactStore, seconds: float) -> Non
     print("\n=== summary ===")
     print(f"status: {'succeeded' if outcome.ok else 'FAILED: ' + outcome.error} in {seconds / 60:.1f} min")
     for stage, (art_id, how) in outcome.artifacts.items():
-        print(f"  {stage:<9} {art_id}  ({how})  {store.location(stage, art_id)}")
+        print(f"  {stage:<9} {art_id}  ({how})  {store.location(stage.partition(':')[0], art_id)}")
     for key, value in outcome.summary.items():
         print(f"  {key}: {value}")
+    if outcome.table:
+        print(f"fine-tuned tasks (DeBERTa Table 2's row; {suite.TABLE_FILE} and {suite.PLOT_FILE} on the run):")
+        print("\n".join(f"  {line}" for line in outcome.table.splitlines()))
     print(f"MLflow: {outcome.tracking_uri} (parent run {outcome.parent_run_id})")
     if outcome.tracking_uri.startswith("sqlite"):
         print(f"  open the UI: mlflow ui --backend-store-uri {outcome.tracking_uri} --host 127.0.0.1 --port 5000")

@@ -71,6 +71,16 @@ FROM_CHECKPOINT_INPUTS = ("pretrain", "task")
 """The finetune stage's inputs when it starts from an external checkpoint: its directory holds the tokenizer."""
 
 
+def task_key(task: str) -> str:
+    """One fine-tuning task among the external inputs (their ids and objects): `finetune.task` may list several,
+    and the finetune stage is planned once per task, each instance reading its own as its input `task`."""
+    return f"task:{task}"
+
+
+def _task_keys(external_ids: dict[str, str]) -> list[str]:
+    return [k for k in external_ids if k.startswith("task:")] or ["task"]
+
+
 def _inputs(spec: StageSpec, cfg: PipelineConfig, external_ids: dict[str, str],
             prepared: Prepared) -> tuple[tuple[str, ...], dict[str, Any]]:
     """(the stage's inputs, its config hashed into the artifact id)."""
@@ -104,6 +114,19 @@ class PlannedStage:
     """--force: recompute, discarding the stage's resumable state."""
     note: str = ""
     """What the plan says beside the stage (`Prepared.notes`)."""
+    task: str = ""
+    """The finetune stage's task: its input `task` is the external input `task_key(task)`."""
+    one_of_several: bool = False
+    """One task of several (`finetune.task=A,B`): the instance is named `finetune:<task>`."""
+
+    @property
+    def name(self) -> str:
+        """The stage as the run names it: `finetune:<task>` for one task of several, else the stage."""
+        return f"{self.spec.name}:{self.task}" if self.one_of_several else self.spec.name
+
+    def object_key(self, name: str) -> str:
+        """The key of input `name` among the run's external objects (a task of several: `task_key`)."""
+        return task_key(self.task) if name == "task" and self.task else name
 
 
 def make_plan(cfg: PipelineConfig, store: ArtifactStore, external_ids: dict[str, str],
@@ -127,12 +150,17 @@ def make_plan(cfg: PipelineConfig, store: ArtifactStore, external_ids: dict[str,
     specs = tuple(s for s in STAGES if s.name == "finetune") if from_checkpoint else stages_until(only or until)
     for spec in specs:
         inputs, what = _inputs(spec, cfg, external_ids, prepared)
-        input_ids = {name: ids[name] for name in inputs}
-        art_id = artifact_id(spec.name, spec.version, canonical_json(what), input_ids)
-        ids[spec.name] = art_id
-        forced = spec.name in force
-        cached = store.exists(spec.name, art_id) and not forced
-        plan.append(PlannedStage(spec, art_id, {s: getattr(cfg, s).to_dict() for s in spec.sections}, input_ids,
-                                 cached, selected=only is None or spec.name == only, forced=forced,
-                                 note=prepared.notes.get(spec.name, "")))
+        # one instance per fine-tuning task, its input `task` that task's id: the artifact id of a task is the same
+        # whether it is fine-tuned alone or in a suite, so a task added to the list is the only one that runs
+        keys = _task_keys(external_ids) if "task" in inputs else [""]
+        for key in keys:
+            input_ids = {name: ids[key if name == "task" else name] for name in inputs}
+            art_id = artifact_id(spec.name, spec.version, canonical_json(what), input_ids)
+            ids[spec.name] = art_id
+            forced = spec.name in force
+            cached = store.exists(spec.name, art_id) and not forced
+            plan.append(PlannedStage(spec, art_id, {s: getattr(cfg, s).to_dict() for s in spec.sections}, input_ids,
+                                     cached, selected=only is None or spec.name == only, forced=forced,
+                                     note=prepared.notes.get(spec.name, ""), task=key.partition(":")[2],
+                                     one_of_several=len(keys) > 1))
     return plan

@@ -19,7 +19,7 @@ from core import storage
 from core.artifacts import ArtifactStore, artifact_id, file_digest
 from core.config import ConfigError, PipelineConfig, apply_overrides, validate, with_corpus_arguments
 from core.datasets import materialize_corpus
-from pipeline.plan import STAGE_NAMES, STAGES, PlannedStage, StageSpec, make_plan, stages_until
+from pipeline.plan import STAGE_NAMES, STAGES, PlannedStage, StageSpec, make_plan, stages_until, task_key
 from pipeline.presets import PRESETS, missing_for_preset
 from stages.base import Prepared
 
@@ -62,8 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "NAME=PATH_OR_URI[:weight=W|:epochs=E] (docs/configuration.md); repeatable, every value "
                         "kept; default: the built-in news corpus")
     p.add_argument("--task", metavar="NAME_OR_PATH", action=_Once,
-                   help="fine-tuning task: rotten-tomatoes, lee-sts, wnut16-ner, or a task directory (GLUE-format "
-                        "sentence files, CoNLL/JSONL token files, or SQuAD JSON)")
+                   help="fine-tuning task: rotten-tomatoes, lee-sts, wnut16-ner, rotten-tomatoes-choice, or a task "
+                        "directory (GLUE-format sentence files, CoNLL/JSONL token files, or SQuAD JSON); or several, "
+                        "comma-separated, or all (every built-in): each its own sweep and registry model, their "
+                        "scores in one table")
     p.add_argument("--pretrained", metavar="DIR_OR_URI", action=_Once,
                    help="short for --set finetune.init=DIR_OR_URI: fine-tune this HF DeBERTa-v2 directory "
                         "(config.json, weights, spm.model) or registry version (models:/NAME/VERSION, "
@@ -294,7 +296,7 @@ def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path
     from core.errors import StageInputError
     from core.init_checkpoint import resolve_init
     from stages.finetune import check_task
-    from stages.finetune.tasks import resolve_task
+    from stages.finetune.tasks import resolve_tasks
     from stages.pretrain.probes import resolve_probes
 
     init = cfg.finetune.init
@@ -319,10 +321,10 @@ def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path
             ids["raw"] = artifact_id("raw", RAW_ID_VERSION, fingerprint, {})
         if "pretrain" in planned and cfg.pretrain.probes:
             resolve_probes(cfg.pretrain, workdir)  # each probe task read and checked as the finetune stage would
-        if "finetune" in planned:
-            task = resolve_task(cfg.finetune.task, workdir)
-            check_task(cfg.finetune, task)  # what the task's kind needs of the settings (`TaskKind.check`)
-            objects["task"], ids["task"] = task, task.id
+        if "finetune" in planned:  # every task of the list read and checked before Ray starts
+            for task in resolve_tasks(cfg.finetune.task, workdir):
+                check_task(cfg.finetune, task)  # what the task's kind needs of the settings (`TaskKind.check`)
+                objects[task_key(task.name)], ids[task_key(task.name)] = task, task.id
     except StageInputError as e:
         raise UserError(str(e)) from None
     return objects, ids
@@ -334,7 +336,7 @@ def print_plan(plan: list[PlannedStage]) -> None:
         state = ("cached (skip)" if st.cached else "run" if st.selected else "needed input, not built: error")
         state += " (--force: recomputed from scratch)" if st.forced else ""
         state += f" ({st.note})" if st.note else ""
-        print(f"  {st.spec.name:<9} {st.artifact_id}  {state}")
+        print(f"  {st.name:<9} {st.artifact_id}  {state}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -445,7 +447,7 @@ def _plan_and_run(args: argparse.Namespace, scratch: Path | None) -> int:
     print_plan(plan)
     if args.dry_run:
         print(cluster.line)
-        for st in plan:
+        for st in {st.spec.name: st for st in plan}.values():  # a stage's plan on paper once, for all its tasks
             if st.spec.dry_run is not None:
                 print(st.spec.dry_run(*[getattr(cfg, s) for s in st.spec.sections], inputs=dry_run_inputs(st, store,
                                       objects), **{s: getattr(cfg, s) for s in st.spec.dry_run_reads}))
@@ -481,7 +483,7 @@ def check_inputs(cfg: PipelineConfig, objects: dict, planned: set[str]) -> list[
 def dry_run_inputs(st: PlannedStage, store: ArtifactStore, objects: dict) -> dict:
     """A stage's inputs as its `dry_run` sees them: the finished input artifacts (not fetched) and the external
     inputs as listed (the raw corpus)."""
-    found = {name: objects.get(name) or store.find(name, art_id, fetching=False)
+    found = {name: objects.get(st.object_key(name)) or store.find(name, art_id, fetching=False)
              for name, art_id in st.input_ids.items()}
     return {k: v for k, v in found.items() if v is not None}
 

@@ -35,6 +35,7 @@ from stages.finetune import contamination
 from stages.finetune.control import run_control
 from stages.finetune.data import ExternalCheckpoint, load_pretrained, prepare_data
 from stages.finetune.kinds.base import TaskRef
+from stages.finetune.tasks import task_list
 from stages.finetune.registry import _jsonable, export_hf, export_onnx, plot_sweep, register_champion, save_model
 from stages.finetune.sweep import (GRID_KEYS, _trial_runs_callback, best_checkpoint, champion_epoch, grid_size,
                                    pick_champion, results_table, run_sweep, with_champion)
@@ -53,7 +54,11 @@ def dry_run(cfg: FinetuneConfig, model: DebertaConfig, inputs: dict | None = Non
     grid = " x ".join(f"{k}{list(getattr(cfg, k))}" for k in (*GRID_KEYS, "seeds"))
     trainer = ("one torch process" if cfg.trainer == "torch" else
                f"{cfg.workers_per_trial} DeepSpeed ZeRO-{cfg.zero_stage} workers") + (" on GPUs" if cfg.use_gpu else "")
-    return (f"finetune: task {cfg.task}, {grid_size(cfg)} trials ({grid}), <= {cfg.epochs} epochs each, "
+    tasks = task_list(cfg.task)
+    what = (f"task {cfg.task}, {grid_size(cfg)} trials" if len(tasks) == 1 else
+            f"{len(tasks)} tasks ({', '.join(tasks)}), {grid_size(cfg)} trials each, {len(tasks) * grid_size(cfg)} "
+            f"in the suite, one task's sweep after another")
+    return (f"finetune: {what} ({grid}), <= {cfg.epochs} epochs each, "
             f"scheduler {cfg.scheduler}, {cfg.max_concurrent_trials} at once, {trainer} per trial, sift={cfg.sift}")
 
 

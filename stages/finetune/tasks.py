@@ -22,6 +22,41 @@ def builtin_tasks() -> dict:
     return {name: read for kind in KINDS.values() for name, read in kind.builtins.items()}
 
 
+SUITES = {"all": "every built-in task, in `KINDS`' order"}
+"""Named suites `finetune.task` may hold beside task names and directories (`task_list`)."""
+
+
+def task_list(spec: str) -> tuple[str, ...]:
+    """`finetune.task` -> its tasks in order: comma-separated built-in names, task directories and suites (`SUITES`,
+    expanded in place), as `pretrain.probes` lists its tasks. StageInputError for a task named twice."""
+    names: list[str] = []
+    for item in (s.strip() for s in spec.split(",")):
+        names += list(builtin_tasks()) if item in SUITES else [item]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise StageInputError(f"finetune.task={spec}: task {twice[0]} is named twice (suite all is every built-in: "
+                              f"{', '.join(builtin_tasks())}); name each task once")
+    return tuple(names)
+
+
+def resolve_tasks(spec: str, workdir: Path | None = None) -> list[TaskRef]:
+    """Every task of `finetune.task` (`task_list`), read; StageInputError for two tasks of one name (each is its
+    own registry model, `deberta-<preset>-<task name>`)."""
+    tasks = [resolve_task(name, workdir) for name in task_list(spec)]
+    seen: dict[str, str] = {}
+    for given, task in zip(task_list(spec), tasks):
+        if task.name in seen:
+            raise StageInputError(f"finetune.task: {seen[task.name]} and {given} are both task {task.name!r} (the "
+                                  f"registry model deberta-<preset>-{task.name}); rename one directory")
+        seen[task.name] = given
+    ids = [t.id for t in tasks]
+    same = [t.name for t in tasks if ids.count(t.id) > 1]
+    if same:
+        raise StageInputError(f"finetune.task: {' and '.join(same)} hold the same examples (task id "
+                              f"{tasks[[t.name for t in tasks].index(same[0])].id}); list it once")
+    return tasks
+
+
 def resolve_task(spec: str, workdir: Path | None = None) -> TaskRef:
     """A built-in task name or a task directory -> TaskRef (raises StageInputError)."""
     named = builtin_tasks()

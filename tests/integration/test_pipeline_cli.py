@@ -318,40 +318,96 @@ def test_pretrained_version_is_the_runs_artifacts_and_fills_masks(continued_mlm,
     assert filled["score"].tolist() == pytest.approx(probs, abs=1e-5)
 
 
-def test_finetunes_from_the_pretrained_registry_version(continued_mlm, mlflow_server, tmp_path):
-    """`python -m pipeline.run --pretrained models:/deberta-debug-pretrained/N` in a fresh workdir: the version's
-    export is downloaded byte for byte (the pretrain artifact's hf/) and fine-tuned alone, on the version's
-    architecture (not the debug preset's); the stage's run logs the version as its input, a registry source, and the
-    champion names the version it started from, and says its dev contamination is unknown."""
+SUITE = ("lee-sts", "wnut16-ner", "rotten-tomatoes-choice")
+"""Three built-in tasks of three kinds (sequence, token, choice), the ones with the fewest dev examples."""
+
+
+def _suite_summary(stdout: str) -> dict[str, tuple[str, str]]:
+    """`finetune:<task>` -> (artifact id, ran or cached) from the run's `=== summary ===`."""
+    tail = stdout.split("=== summary ===")[-1]
+    return {t: (art, how) for t, art, how in re.findall(r"^  finetune:(\S+)\s+([0-9a-f]{16})  \((\w+)\)", tail, re.M)}
+
+
+def _tiny_task(root: Path) -> Path:
+    """A sentence task directory of 16 train and 2 dev reviews (its own: the train texts name it)."""
+    root.mkdir(parents=True)
+    (root / "train.tsv").write_text("sentence1\tlabel\n" + "".join(f"{root.name} {i} was {w}\t{w}\n" for i, w in
+                                                                   enumerate(["good", "bad"] * 8)))
+    (root / "dev.tsv").write_text("sentence1\tlabel\na good film\tgood\na bad film\tbad\n")
+    return root
+
+
+def test_a_suite_of_tasks_from_the_pretrained_registry_version(continued_mlm, mlflow_server, tmp_path):
+    """`python -m pipeline.run --pretrained models:/deberta-debug-pretrained/N --task A,B,C` in a fresh workdir: the
+    version's export is downloaded byte for byte (the pretrain artifact's hf/) and each task fine-tuned on the
+    version's architecture, registered as its own model naming the version it started from, and the run's table
+    (DeBERTa Table 2's row) logged on its top-level run with each champion's seed mean and Avg. Then the same tasks
+    plus two: the three are cached, the fourth runs, and one failing at stage time leaves the others registered
+    (exit 1, the parent run FAILED)."""
     import hashlib
 
     from deberta import checkpoint
 
     _, _, arts, version = continued_mlm
-    uri = f"models:/deberta-debug-pretrained/{version}"
-    res = pipeline(["--pretrained", uri, "--workdir", str(tmp_path / "wd"), *TINY_FINETUNE],
-                   {"MLFLOW_TRACKING_URI": mlflow_server})
+    uri, wd = f"models:/deberta-debug-pretrained/{version}", tmp_path / "wd"
+    env = {"MLFLOW_TRACKING_URI": mlflow_server}
+    args = ["--pretrained", uri, "--workdir", str(wd), *TINY_FINETUNE]
+    res = pipeline([*args, "--task", ",".join(SUITE)], env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    ran = _summary(res.stdout)
-    assert list(ran) == ["finetune"] and ran["finetune"][1] == "ran", res.stdout[-2000:]
+    ran = _suite_summary(res.stdout)
+    assert ran == {t: (ran[t][0], "ran") for t in SUITE}, res.stdout[-2000:]
     pretrained = arts["pretrain"]
-    finetuned = tmp_path / "wd" / "artifacts" / "finetune" / ran["finetune"][0] / "model"
+    finetuned = wd / "artifacts" / "finetune" / ran["lee-sts"][0] / "model"
     assert checkpoint.load_config(finetuned) == checkpoint.load_config(pretrained / "model")
 
     def digests(d: Path) -> dict[str, str]:
         return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in d.iterdir() if p.is_file()}
 
-    local = tmp_path / "wd" / "registry" / "deberta-debug-pretrained" / version
+    (local,) = (wd / "registry" / "deberta-debug-pretrained").glob(f"{version}-*")  # VERSION-<its logged model>
     assert digests(local) == digests(pretrained / "hf")
 
     client, children = _runs(mlflow_server, _parent_id(res.stdout))
-    (stage_run,) = [r for r in children if r.data.tags["pipeline.stage"] == "finetune"]
-    inputs = client.get_run(stage_run.info.run_id).inputs.dataset_inputs  # the task's dataset and the checkpoint
-    assert [json.loads(d.dataset.source) for d in inputs if d.dataset.source_type == "mlflow_registry"] == \
-        [{"uri": uri}], [(d.dataset.name, d.dataset.source_type) for d in inputs]
-    champion = re.search(r"finetune: deberta-debug-rotten-tomatoes v(\d+) ", res.stdout)
-    assert champion, res.stdout[-2000:]
-    mv = client.get_model_version("deberta-debug-rotten-tomatoes", champion.group(1))
-    assert mv.tags["init"] == uri and mv.tags["sweep"] == ran["finetune"][0] and mv.run_id == stage_run.info.run_id
-    # an external checkpoint's pretraining corpus is not this pipeline's to read: its dev contamination is unknown
-    assert mv.tags["dev_contamination"] == "unknown" and "; dev contamination: unknown" in res.stdout, mv.tags
+    stage_runs = {r.data.tags["pipeline.artifact_id"]: r for r in children
+                  if r.data.tags["pipeline.stage"] == "finetune"}
+    for task, (art, _) in ran.items():  # each its own champion, registered from its own sweep and stage run
+        inputs = client.get_run(stage_runs[art].info.run_id).inputs.dataset_inputs  # the task and the checkpoint
+        assert [json.loads(d.dataset.source) for d in inputs if d.dataset.source_type == "mlflow_registry"] == \
+            [{"uri": uri}], [(d.dataset.name, d.dataset.source_type) for d in inputs]
+        mv = client.get_model_version_by_alias(f"deberta-debug-{task}", "champion")
+        assert mv.tags["init"] == uri and mv.tags["sweep"] == art and mv.run_id == stage_runs[art].info.run_id
+        # an external checkpoint's pretraining corpus is not this pipeline's to read: its dev contamination is unknown
+        assert mv.tags["dev_contamination"] == "unknown", mv.tags
+    assert res.stdout.count("; dev contamination: unknown") == len(SUITE), res.stdout[-3000:]
+    parent = _parent_id(res.stdout)
+    table = json.loads(Path(client.download_artifacts(parent, "suite.json", str(tmp_path))).read_text())
+    rows = {r["task"]: r for r in table["rows"]}
+    assert list(rows) == list(SUITE)
+    assert {r["kind"] for r in rows.values()} == {"regression", "token", "choice"}
+    for task, (art, _) in ran.items():
+        champion = json.loads((wd / "artifacts" / "finetune" / art / "champion.json").read_text())
+        assert rows[task]["champion"] == pytest.approx(champion["seed_mean"]) and rows[task]["status"] == "ran"
+    assert table["avg"] == pytest.approx(sum(r["champion"] for r in rows.values()) / 3)
+    assert {"suite.csv", "suite.png"} <= {a.path for a in client.list_artifacts(parent)}
+    assert client.get_run(parent).data.metrics["suite.avg"] == pytest.approx(table["avg"])
+
+    # a fourth task and one that fails at stage time, reading and checking fine before Ray starts (its sweep's
+    # directory in Ray storage is taken by a file): the dry run plans only those two, the run builds the fourth
+    tiny, blocked = _tiny_task(tmp_path / "tiny"), _tiny_task(tmp_path / "blocked")
+    more = [*args, "--task", ",".join([*SUITE, str(blocked), str(tiny)])]  # the failure first: the rest still runs
+    dry = pipeline_main([*more, "--dry-run"], env)
+    plan = dict(re.findall(r"^  finetune:(\S+)\s+([0-9a-f]{16})  run$", dry.stdout, re.M))
+    assert set(plan) == {"tiny", "blocked"} and "5 tasks (" in dry.stdout, dry.stdout[-2000:]
+    (wd / "ray_results").mkdir(exist_ok=True)
+    (wd / "ray_results" / f"finetune-{plan['blocked']}").write_text("not a sweep directory")
+    again = pipeline(more, env)
+    assert again.returncode == 1, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "error: stage finetune:blocked failed" in again.stderr
+    after = _suite_summary(again.stdout)
+    assert after == {**{t: (ran[t][0], "cached") for t in SUITE},
+                     "tiny": (plan["tiny"], "ran")}, again.stdout[-2000:]
+    assert client.get_model_version_by_alias("deberta-debug-tiny", "champion").tags["sweep"] == plan["tiny"]
+    parent = _parent_id(again.stdout)
+    assert client.get_run(parent).info.status == "FAILED"
+    (tmp_path / "again").mkdir()
+    rows = json.loads(Path(client.download_artifacts(parent, "suite.json", str(tmp_path / "again"))).read_text())
+    assert [r["status"].split(":")[0] for r in rows["rows"]] == ["cached"] * 3 + ["failed", "ran"]
