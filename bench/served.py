@@ -98,8 +98,13 @@ def served_metric(model, task) -> float:
     from stages.finetune.kinds import squad_eval
     from stages.finetune.kinds.entities import entity_scores
 
-    if task.problem == "classification":
-        out = model.predict(pd.DataFrame({"sentence1": list(task.dev.text_a)}))
+    if task.problem in ("classification", "regression"):
+        columns = {"sentence1": list(task.dev.text_a)}
+        if task.dev.text_b is not None:
+            columns["sentence2"] = list(task.dev.text_b)
+        out = model.predict(pd.DataFrame(columns))
+        if task.problem == "regression":  # Pearson's r of the served scores (numpy's, not the stage's scipy)
+            return float(np.corrcoef(out["score"].to_numpy(float), np.asarray(task.dev.label, float))[0, 1])
         return float(np.mean([p == task.labels[int(y)] for p, y in zip(out["label"], task.dev.label)]))
     if task.problem == "choice":
         out = model.predict(pd.DataFrame({"context": list(task.dev.context), "question": list(task.dev.question),

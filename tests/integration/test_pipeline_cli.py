@@ -346,7 +346,11 @@ def test_a_suite_of_tasks_from_the_pretrained_registry_version(continued_mlm, ml
     (exit 1, the parent run FAILED)."""
     import hashlib
 
+    import mlflow
+
+    from bench.served import served_metric
     from deberta import checkpoint
+    from stages.finetune.tasks import resolve_task
 
     _, _, arts, version = continued_mlm
     uri, wd = f"models:/deberta-debug-pretrained/{version}", tmp_path / "wd"
@@ -367,6 +371,7 @@ def test_a_suite_of_tasks_from_the_pretrained_registry_version(continued_mlm, ml
     assert digests(local) == digests(pretrained / "hf")
 
     client, children = _runs(mlflow_server, _parent_id(res.stdout))
+    mlflow.set_tracking_uri(mlflow_server)
     stage_runs = {r.data.tags["pipeline.artifact_id"]: r for r in children
                   if r.data.tags["pipeline.stage"] == "finetune"}
     for task, (art, _) in ran.items():  # each its own champion, registered from its own sweep and stage run
@@ -377,6 +382,12 @@ def test_a_suite_of_tasks_from_the_pretrained_registry_version(continued_mlm, ml
         assert mv.tags["init"] == uri and mv.tags["sweep"] == art and mv.run_id == stage_runs[art].info.run_id
         # an external checkpoint's pretraining corpus is not this pipeline's to read: its dev contamination is unknown
         assert mv.tags["dev_contamination"] == "unknown", mv.tags
+        # served is measured, for every task of the suite: the version's own answers on the dev set, scored here
+        # (labels, entities and choices exactly, up to the tag's 6 decimals; a regression's scores to float rounding)
+        task_ref = resolve_task(task)
+        served = served_metric(mlflow.pyfunc.load_model(f"models:/deberta-debug-{task}/{mv.version}"), task_ref)
+        tolerance = 1e-4 if task_ref.problem == "regression" else 1e-6
+        assert served == pytest.approx(float(mv.tags[f"dev_{task_ref.metric}"]), abs=tolerance), task
     assert res.stdout.count("; dev contamination: unknown") == len(SUITE), res.stdout[-3000:]
     parent = _parent_id(res.stdout)
     table = json.loads(Path(client.download_artifacts(parent, "suite.json", str(tmp_path))).read_text())
