@@ -142,3 +142,12 @@ def test_the_rules_resolve_to_one_artifact_whichever_way_they_are_written():
                               "c4_curly_brace"))
     assert spelled.what() == CorpusConfig(filters=("c4",)).what() != CorpusConfig().what()
     assert resolve(("all", "gopher_quality=off", "gopher_min_words=20"))["gopher_min_words"] == 20
+
+
+def test_a_text_with_punctuation_or_space_at_its_edges_has_no_empty_words():
+    text = "'The Cockettes provides a window into a subculture hell-bent on expressing itself in every way imaginable.'\n"
+    m = quality.measure(_texts([text]), resolve(("all",)))
+    words = re.findall(r"[^\W_]+|[^\w\s]|_", text)
+    assert m["gopher_alpha_words"][0] == pytest.approx(sum(any(c.isalpha() for c in w) for w in words) / len(words))
+    first = " ".join(words[:4])  # every 4-gram occurs once: the first seen is the top one
+    assert m["gopher_top_4gram"][0] == pytest.approx(len(first) / len(text))
