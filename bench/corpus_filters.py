@@ -45,7 +45,7 @@ import contextlib
 import gzip
 import json
 import multiprocessing as mp
-import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -198,9 +198,10 @@ def theirs(path: Path, block: str, out: Path) -> tuple[dict[str, str], tuple[flo
     seconds = (time.perf_counter() - start, time.process_time() - cpu)
     found = {}
     for f in removed.glob("*.jsonl"):
-        for line in f.read_text().splitlines():
-            d = json.loads(line)
-            found[d["id"]] = d["metadata"].get("filter_reason", "?")
+        with f.open() as lines:  # one document a line: split at "\n" only (a text may hold U+2028 and the like)
+            for line in lines:
+                d = json.loads(line)
+                found[d["id"]] = d["metadata"].get("filter_reason", "?")
     return found, seconds
 
 
@@ -371,6 +372,8 @@ def main() -> None:
             results = {b: f.result() for b, f in runs.items()}
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    with open(Path(tempfile.gettempdir()) / "corpus_filters_runs.pkl", "wb") as f:  # the costly part, kept
+        pickle.dump((docs, results), f)
     blocks = {}
     for block, (mine, mine_s, peer, peer_s) in results.items():
         blocks[block] = {**compare(block, docs, mine, peer, args.examples), "speed": _speed(n, mine_s, peer_s)}
