@@ -25,9 +25,12 @@ sample) and code fills the rest up to --docs.
 Each block (Gopher quality, Gopher repetition, C4, FineWeb) is run on every document by each side alone: ours is
 `stages.corpus.quality.first_rule` over Arrow batches of --batch documents read with pyarrow.json, writing the
 removed documents' ids and reasons to Parquet; datatrove's is a `LocalPipelineExecutor` (1 task, 1 worker:
-in this process) of `JsonlReader` -> the block with its default thresholds (ours are the same, SPEC "Cleaning a
-corpus") and an `exclusion_writer` (JSONL of the removed documents with their reason). Both sides read the same
-file and write what they remove; wall time of each, one process, one core (pyarrow held to one thread).
+in this process) of `JsonlReader` -> the block with its default thresholds (ours, `core.corpus_filters`, are the
+same) and an `exclusion_writer` (JSONL of the removed documents with their reason). Both sides read the same file
+and write what they remove. A block's two runs share one process, held to one thread; --procs blocks run side by
+side; the speed is documents per CPU second of that process (the wall time is kept too: on a shared machine it
+measures the neighbours). Each disagreement is then classed by the first of our choices that, swapped into
+datatrove's block (its word splitter, its duplicated n-gram count, its sentence splitter), makes it decide as ours.
 datatrove's C4QualityFilter also rewrites the text it keeps (the lines that do not count are dropped); that
 rewrite changes no keep/remove decision of the block, and only decisions are compared.
 
