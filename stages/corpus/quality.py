@@ -104,7 +104,8 @@ def _splitlines(texts: pa.Array) -> Parts:
 
 
 def _words(texts: pa.Array) -> Parts:
-    return Parts.of(pc.utf8_split_whitespace(pc.replace_substring_regex(texts, PUNCT_ALONE, r" \1 ")))
+    words = Parts.of(pc.utf8_split_whitespace(pc.replace_substring_regex(texts, PUNCT_ALONE, r" \1 ")))
+    return words.where(words.lengths() > 0)  # Arrow's split keeps the empty strings before and after edge spaces
 
 
 def _first_seen(keys: pa.Array) -> tuple[np.ndarray, np.ndarray]:

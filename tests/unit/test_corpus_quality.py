@@ -177,3 +177,12 @@ def test_planted_dev_examples_are_removed_with_their_rule(lee):
 def _windows_of(text: str, n: int = 13) -> list[tuple[str, ...]]:
     words = re.findall(r"[^\W_]+", text.lower())
     return [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+
+
+def test_a_text_with_punctuation_or_space_at_its_edges_has_no_empty_words():
+    text = "'The Cockettes provides a window into a subculture hell-bent on expressing itself in every way imaginable.'\n"
+    m = quality.measure(_texts([text]), resolve(("all",)))
+    words = re.findall(r"[^\W_]+|[^\w\s]|_", text)
+    assert m["gopher_alpha_words"][0] == pytest.approx(sum(any(c.isalpha() for c in w) for w in words) / len(words))
+    first = " ".join(words[:4])  # every 4-gram occurs once: the first seen is the top one
+    assert m["gopher_top_4gram"][0] == pytest.approx(len(first) / len(text))
