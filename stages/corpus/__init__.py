@@ -410,7 +410,8 @@ def _run(cfg: CorpusConfig, raw: RawCorpus, out: Path, inputs: dict) -> StageRes
         "documents_per_s": n_docs / max(timings["total_s"], 1e-9),
         **{f"time_{k}": v for k, v in timings.items()},
     }
-    summary = (f"{counts['documents_out']} of {n_docs} documents kept ({n_filtered} removed by the filters, "
+    removed_by_filters = f"{n_filtered} removed by the filters, " if filters.on else ""
+    summary = (f"{counts['documents_out']} of {n_docs} documents kept ({removed_by_filters}"
                f"{counts['exact_duplicates_removed']} exact and {counts['near_duplicates_removed']} near duplicates "
                f"removed, {n_rejected} rejected)")
     return StageResult(metrics=metrics, counts=counts, log_files=logged, summary={"corpus": summary})

@@ -251,7 +251,7 @@ def results_table(grid, metric: str):
     for r in grid:
         # a trial resumed from an epoch checkpoint may repeat epochs its lost process had already reported
         hist = r.metrics_dataframe.drop_duplicates("epoch", keep="last").reset_index(drop=True)
-        best = hist.loc[hist[metric].idxmax()]
+        best = hist.loc[_newest_best(hist[metric])]
         row = {k: r.config[k] for k in (*GRID_KEYS, "seed")}
         row.update(trial_id=r.metrics["trial_id"], epochs=int(hist["epoch"].max()), best_epoch=int(best["epoch"]),
                    final_train_loss=float(hist["train_loss"].iloc[-1]), trial_path=r.path)
@@ -272,16 +272,22 @@ def best_checkpoint(result, metric: str):
 
     hist = result.metrics_dataframe.drop_duplicates("epoch", keep="last").reset_index(drop=True)
     if "checkpoint_path" in hist.columns:
-        return tune.Checkpoint(hist.loc[hist[metric].idxmax(), "checkpoint_path"])
+        return tune.Checkpoint(hist.loc[_newest_best(hist[metric]), "checkpoint_path"])
     return result.get_best_checkpoint(metric, "max")
+
+
+def _newest_best(values):
+    """The index of the last of the largest values: of equally good epochs the newest is the trial's best, as Tune
+    and Ray Train keep the newest of equally scored checkpoints (`num_to_keep=1`)."""
+    return values[::-1].idxmax()
 
 
 def champion_epoch(row: dict[str, Any], checkpoint_dir: Path) -> dict[str, Any]:
     """The champion as served: `row` (its trial's grid point, seed, id and seed mean) with the epoch and every dev
     metric of the checkpoint whose weights are exported (`best_checkpoint`, opened at `checkpoint_dir`), read from
-    the result that checkpoint carries (trial.EPOCH_RESULT), never from another epoch's row. Tune keeps the newest
-    of equally good epochs where the results table names the first; the v2.0 no-answer threshold, among others,
-    differs between them."""
+    the result that checkpoint carries (trial.EPOCH_RESULT), never from another epoch's row: equally good epochs
+    (the newest is kept) differ in their other figures, the v2.0 no-answer threshold among them, and a trial
+    resumed after a lost process may have reported an epoch twice."""
     from stages.finetune.trial import read_epoch_result
 
     epoch = read_epoch_result(checkpoint_dir)

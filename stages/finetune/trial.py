@@ -16,7 +16,8 @@ Recipe (Table 9): AdamW (epsilon, betas, weight decay), linear warmup then linea
 Checkpoints: a torch trial hands Tune one after every epoch, the weights with what continues the loop exactly
 (optimizer, schedule, RNG states, epoch, best metric so far; Tune keeps the best for selection and the newest to
 resume from), so a retried or restored trial picks up where its last epoch ended. A DeepSpeed trial checkpoints
-the gathered weights whenever the dev metric improves; it has no optimizer state to resume from and restarts.
+the gathered weights whenever the dev metric is the best so far; it has no optimizer state to resume from and
+restarts.
 Either checkpoint carries its epoch's reported result (`EPOCH_RESULT`): what the champion is served with.
 """
 
@@ -48,8 +49,7 @@ TRIAL_STATE = "trial_state.pt"
 
 EPOCH_RESULT = "epoch_result.json"
 """Beside model.pt in every trial checkpoint: the result its epoch reported (epoch, every dev metric, the v2.0
-threshold). The champion's figures are read from here, so they belong to the weights beside them whichever of
-several equally good epochs Tune kept (it keeps the newest of equal scores)."""
+threshold). The champion's figures are read from here, so they belong to the weights beside them."""
 
 
 def write_epoch_result(directory: Path, result: dict[str, Any]) -> None:
@@ -308,7 +308,9 @@ def deepspeed_worker(loop_config: dict[str, Any]) -> None:
         torch.manual_seed(config["seed"] * 1_009 + rank)
 
     def report(result: dict[str, Any], engine: Engine, improved: bool, progress: Progress) -> None:
-        if not improved:
+        # an epoch as good as the best so far is checkpointed too: Ray Train keeps the newest of equal scores, as
+        # Tune does of a torch trial's, so both trainers serve the same epoch
+        if result[f"dev_{setup.metric}"] < progress.best:
             ray.train.report(result)
             return
         with tempfile.TemporaryDirectory() as tmp:

@@ -298,8 +298,10 @@ def test_batch_predictions_are_the_registered_models(mlflow_server, registered, 
     job = plan(build_parser().parse_args([*argv[:4], str(tmp_path / "other"), *argv[5:]]))
     rows = next(read_rows(pa.table({"path": [str(corpus)]}), job.ref, 16))  # the actors' own calls, without Ray
     answers = Predictor(job.ref)(rows).to_pandas()
+    mlflow.set_tracking_uri(other_uri)  # the env var yields to a URI another test of the session set
     served = mlflow.pyfunc.load_model("models:/deberta-debug-clf@champion").predict(
         pd.DataFrame({"sentence1": texts[:16]}))
+    mlflow.set_tracking_uri(mlflow_server)
     assert list(answers["label"]) == list(served["label"])
     assert answers["score"].tolist() == pytest.approx(served["score"].tolist(), abs=1e-6)
     assert set(answers["model_version"]) == {other_model}

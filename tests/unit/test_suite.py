@@ -87,7 +87,9 @@ def store_with_a_run(tmp_path_factory):
     from core.lineage import Lineage
 
     wd = tmp_path_factory.mktemp("compare") / "wd"
-    return wd, Lineage(wd).start("pipeline-debug", {"preset": "debug"}, ["finetune"]).run_id
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)  # the workdir's own store, whatever another test set
+        return wd, Lineage(wd).start("pipeline-debug", {"preset": "debug"}, ["finetune"]).run_id
 
 
 REFUSALS = [
