@@ -522,6 +522,9 @@ def apply_filters(batch: pa.Table, filters: Filters) -> pa.Table:
     and language (the top language; null when identification is off); a removed
     document's reason becomes FILTERED. Before fingerprinting, so dedup never reads what the rules removed."""
     n = batch.num_rows
+    if not filters.on:  # nothing to measure: the columns, null, without copying the batch's text
+        return (batch.append_column("rule", pa.nulls(n, pa.string())).append_column("value", pa.nulls(n, pa.float64()))
+                .append_column("language", pa.nulls(n, pa.string())))
     rule, value = np.full(n, None, object), np.full(n, np.nan)
     language = np.full(n, None, object)
     ok = np.flatnonzero(pc.is_null(batch.column("reason")).to_numpy(zero_copy_only=False))
