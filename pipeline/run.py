@@ -315,8 +315,9 @@ def external_inputs(args: argparse.Namespace, cfg: PipelineConfig, workdir: Path
                 fingerprint = [[*s, content_key(s[0], s[1])] for s in raw.sources]
             else:
                 builtin = materialize_corpus("news", builtin_dir or workdir / "data" / "news")
-                raw = corpus.RawCorpus.of([str(builtin)])
-                fingerprint = [["builtin:news", file_digest(builtin)]]
+                name = f"builtin:news/{builtin.name}"  # what its document ids hash: the same in every workdir
+                raw = dataclasses.replace(corpus.RawCorpus.of([str(builtin)]), id_paths=(name,))
+                fingerprint = [[name, file_digest(builtin)]]
             objects["raw"] = raw
             ids["raw"] = artifact_id("raw", RAW_ID_VERSION, fingerprint, {})
         if "pretrain" in planned and cfg.pretrain.probes:

@@ -91,6 +91,10 @@ class RawCorpus:
     """The named sources in the order listed; empty for one unnamed source (`--corpus PATH...`)."""
     ranks: tuple[int, ...] = ()
     """With `blend`: per file of `sources`, the index of its source in `blend` (its rank for dedup)."""
+    id_paths: tuple[str, ...] = ()
+    """Per file of `sources`, the name its documents' ids hash in place of its path (empty: the paths). The
+    built-in corpus is named `builtin:news/...`, so its document ids, like its artifact id, are the same in every
+    workdir (and so is its validation split)."""
 
     def __post_init__(self) -> None:
         if not self.sources:
@@ -121,6 +125,16 @@ class RawCorpus:
         paths = sorted(found)
         return cls(tuple(found[p] for p in paths), tuple(s.spec() for s in blend), tuple(blend),
                    tuple(owner[p] for p in paths))
+
+    def read_items(self) -> list[dict]:
+        """One row per file for `ingest.read_files`: its path, and where set its source rank (named sources: the
+        first byte of its documents' ids) and the name its ids hash (`id_paths`)."""
+        items: list[dict] = [{"path": p} for p, _, _ in self.sources]
+        for item, rank in zip(items, self.ranks):
+            item["rank"] = rank
+        for item, name in zip(items, self.id_paths):
+            item["id_path"] = name
+        return items
 
     def names(self) -> tuple[str, ...]:
         """The source names in rank order (empty for one unnamed source)."""
@@ -168,9 +182,7 @@ def _ingest(raw: RawCorpus, cfg: CorpusConfig, fp: ingest.Fingerprinter, cpus: i
     sources = raw.sources
     total = sum(size for _, size, _ in sources)
     read_tasks = min(len(sources), MAX_READ_TASKS, max(2 * cpus, -(-total // READ_TASK_BYTES)))
-    items = [{"path": p} for p, _, _ in sources]
-    for item, rank in zip(items, raw.ranks):  # named sources: each file's source rank, the first byte of its ids
-        item["rank"] = rank
+    items = raw.read_items()
     blocks = (ray.data.from_items(items, override_num_blocks=read_tasks)
               .map_batches(ingest.read_files, batch_size=1, batch_format="pyarrow", num_cpus=0,
                            compute=ray.data.TaskPoolStrategy(size=min(cpus, read_tasks)),

@@ -470,8 +470,8 @@ def hex_ids(hi: np.ndarray, lo: np.ndarray) -> pa.Array:
     return _hex(words.tobytes(), len(hi))
 
 
-def _documents(records: list[Record], ranks: dict[str, int | None]) -> pa.Table:
-    digests = b"".join([doc_digest(r.source, r.index, ranks[r.source]) for r in records])  # split, hexed by numpy
+def _documents(records: list[Record], ranks: dict[str, int | None], id_paths: dict[str, str]) -> pa.Table:
+    digests = b"".join([doc_digest(id_paths[r.source], r.index, ranks[r.source]) for r in records])  # split, hexed by numpy
     hi, lo = _words(digests)
     return pa.table({"doc_id": _hex(digests, len(records)), "id_hi": hi, "id_lo": lo,
                      "text": [r.text for r in records], "source": [r.source for r in records],
@@ -481,20 +481,22 @@ def _documents(records: list[Record], ranks: dict[str, int | None]) -> pa.Table:
 def read_files(batch: pa.Table, opts: CorpusConfig, batch_rows: int) -> Iterator[pa.Table]:
     """Ray Data batch function: files (column `path`) -> documents and rejections (DOC_SCHEMA), in
     batches of at most `batch_rows` rows or BATCH_BYTES of text. A `rank` column (named sources) gives each
-    file's source rank, the first byte of its documents' ids."""
+    file's source rank, the first byte of its documents' ids; an `id_path` column, the name those ids hash in place
+    of the path (`RawCorpus.id_paths`)."""
     records: list[Record] = []
     size = 0
     paths = batch.column("path").to_pylist()
     ranks = dict(zip(paths, batch.column("rank").to_pylist() if "rank" in batch.column_names else [None] * len(paths)))
+    id_paths = dict(zip(paths, batch.column("id_path").to_pylist() if "id_path" in batch.column_names else paths))
     for path in paths:
         for rec in read_file(path, opts):
             records.append(rec)
             size += len(rec.text) if rec.text else 0
             if len(records) >= batch_rows or size >= BATCH_BYTES:
-                yield _documents(records, ranks)
+                yield _documents(records, ranks, id_paths)
                 records, size = [], 0
     if records:
-        yield _documents(records, ranks)
+        yield _documents(records, ranks, id_paths)
 
 
 @dataclass(frozen=True)

@@ -95,3 +95,21 @@ def test_names_and_weights_are_the_corpus_identity_and_one_unnamed_source_keeps_
         "weighted": [f"news={path}:weight=2"]}.items()}
     assert len(set(ids.values())) == 4, ids
     assert _corpus_id([f"news={path}"], tmp_path / "wd", capsys) == ids["named"]  # stable
+
+
+def test_the_builtin_corpus_has_one_validation_split_in_every_workdir(tmp_path):
+    """The built-in corpus's artifact id is its content's; its document ids (which decide the validation split)
+    hash its `id_path`, not where a workdir put the file: two workdirs read the same ids."""
+    import argparse
+
+    import pyarrow as pa
+
+    from pipeline.run import external_inputs
+    from stages.corpus.ingest import read_files
+
+    cfg, read = PRESETS["debug"](), {}
+    for workdir in (tmp_path / "one", tmp_path / "two"):
+        objects, ids = external_inputs(argparse.Namespace(corpus=None), cfg, workdir, {"corpus"})
+        items = pa.Table.from_pylist(objects["raw"].read_items())
+        read[workdir.name] = (ids["raw"], [t.column("doc_id") for t in read_files(items, cfg.corpus, 4096)])
+    assert read["one"] == read["two"]
