@@ -114,7 +114,7 @@ def resolve_init(value: str, workdir: Path, key: str = "finetune.init") -> Exter
             raise StageInputError(f"{key}={value}: only local directories and registry URIs (models:/NAME/VERSION, "
                                   f"models:/NAME@ALIAS) are read; download the checkpoint first")
         return resolve_checkpoint(value, key=key)
-    from core.lineage import download_registered_model
+    from core.registry import download_registered_model
 
     try:
         export = download_registered_model(value, workdir)

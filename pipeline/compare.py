@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         check_runs(args.runs)
         uri = tracking_uri(args.workdir)
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # stderr holds the one error line
-        from core.lineage import logged_json
+        from core.registry import logged_json
 
         tables, names = [], []
         for ref in args.runs:

@@ -15,7 +15,7 @@ NAME/VERSION names other bytes in another store), backend and columns is reused:
 reads the files, maps batches of `--batch-size` rows over a pool of `--actors` actors (one model each,
 `--cpus-per-actor` / `--gpus-per-actor`; one that dies is restarted and its batch retried: Ray Data's actor defaults,
 max_restarts and max_task_retries -1) and writes the shards; with MLFLOW_TRACKING_URI set, a run records the input
-and the model version it was answered by (`core.lineage.log_prediction`). docs/serving.md has examples.
+and the model version it was answered by (`core.registry.log_prediction`). docs/serving.md has examples.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from core.errors import StageInputError
 from pipeline.predictor import REASON, ModelRef, answer_schema
 
 if TYPE_CHECKING:
-    from core.lineage import PredictionModel
+    from core.registry import PredictionModel
 
 VERSION = "1"
 """Of the output's layout; part of the key a finished output is reused by."""
@@ -121,7 +121,7 @@ def resolve_model(spec: str, cache: str) -> tuple[ModelRef, tuple[str, ...], Pat
     if not tracking_uri:
         raise UserError(f"MODEL {spec} is read from a registry, and MLFLOW_TRACKING_URI is not set; set it to the "
                         f"tracking server (http://HOST:PORT) or sqlite:///PATH that holds the model")
-    from core.lineage import download_model
+    from core.registry import download_model
 
     try:
         model = download_model(spec, tracking_uri, Path(cache))
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{result['rows']} rows ({result['answered']} answered) by {by} with {result['actors']} "
           f"actor(s) in {result['seconds']:.1f} s ({rate:.0f} rows/s) -> {job.output}")
     if os.environ.get("MLFLOW_TRACKING_URI"):
-        from core.lineage import log_prediction
+        from core.registry import log_prediction
 
         run_id = log_prediction(os.environ["MLFLOW_TRACKING_URI"], "predict", job.version or job.ref.version,
                                 job.model_id, args.input, job.key, job.output,

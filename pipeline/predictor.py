@@ -49,7 +49,7 @@ class ModelRef:
     """What an actor needs to load the model: picklable, no MLflow objects."""
 
     uri: str
-    """An immutable model URI (models:/<model_id>, runs:/...: `core.lineage.PredictionModel.uri`), downloaded into
+    """An immutable model URI (models:/<model_id>, runs:/...: `core.registry.PredictionModel.uri`), downloaded into
     `cache` on each node, or an HF export directory every node can read."""
     tracking_uri: str
     cache: str
@@ -70,7 +70,7 @@ class ModelRef:
 def hf_dir(ref: ModelRef) -> Path:
     """The HF export of the model on this node (a registry model is downloaded once per node)."""
     if ref.tracking_uri:
-        from core.lineage import download_model
+        from core.registry import download_model
 
         return download_model(ref.uri, ref.tracking_uri, Path(ref.cache)).hf
     return Path(ref.uri)
@@ -85,7 +85,7 @@ def onnx_file(ref: ModelRef) -> tuple[Path, str]:
     from deberta import onnx_export
 
     if ref.tracking_uri:
-        from core.lineage import download_model
+        from core.registry import download_model
 
         model = download_model(ref.uri, ref.tracking_uri, Path(ref.cache))
         if model.onnx is not None and (model.onnx / onnx_export.FILE).is_file():

@@ -140,7 +140,7 @@ def report(plan: list, objects: dict[str, Any], store, parent, preset: str, outc
     """The run's table over its finetune stages (`finetune:<task>` for each of several): each finished task's row
     from its artifact and registry version, a failed task's from its task alone; logged on `parent` (the run's
     top-level MLflow run) and returned as text for the summary ("" when the run fine-tunes nothing)."""
-    from core.lineage import champion_version
+    from core.registry import champion_version
 
     rows = []
     for st in (st for st in plan if st.spec.name == "finetune"):

@@ -66,7 +66,7 @@ def _trial_runs_callback(parent, metric: str, experiment: str):
     a retry, or continued by a restored sweep, logs into the run it had from the epoch after the last one logged
     there; at the end every trial's run hangs under the stage run that finished the sweep.
     Written here rather than Ray's MLflowLoggerCallback, which cannot nest under a run it did not start and
-    would import mlflow outside core/lineage.py.
+    would import mlflow outside core/lineage.py and core/registry.py.
     """
     from ray import tune
 

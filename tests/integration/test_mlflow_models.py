@@ -254,7 +254,7 @@ def test_batch_predictions_are_the_registered_models(mlflow_server, registered, 
     no-op. With a second store's deberta-debug-clf/1 and the same --cache, the answers are that store's model's, and
     the first store's output is not taken for them; a cached copy whose files changed is downloaded again."""
     from core.artifacts import file_digest
-    from core.lineage import download_model
+    from core.registry import download_model
     from pipeline.predict import build_parser, main, plan
     from pipeline.predictor import Predictor, read_rows
 
@@ -315,7 +315,7 @@ def test_batch_predictions_are_the_registered_models(mlflow_server, registered, 
     assert len(said) == 1 and "model.safetensors no longer matches the digest" in said[0], said
     assert file_digest(again.hf / "model.safetensors") == file_digest(registered[2]["clf"] / "model.safetensors")
     # finetune.init=models:/NAME/VERSION's download (one per workdir) is each store's own weights too
-    from core.lineage import download_registered_model
+    from core.registry import download_registered_model
 
     inits = {}
     for store in (other_uri, mlflow_server):

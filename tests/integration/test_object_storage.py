@@ -268,7 +268,8 @@ def test_registered_models_live_in_the_bucket(s3_server, tiny_pretrained, tmp_pa
     is stored there, and `finetune.init=models:/NAME/VERSION` reads it back whole."""
     import pyarrow.fs as pafs
 
-    from core.lineage import Lineage, download_registered_model
+    from core.lineage import Lineage
+    from core.registry import download_registered_model
     from deberta import checkpoint, hf
     from deberta.model import DebertaForMaskedLM
     from tests.conftest import MlflowServer
