@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 
 from core.contamination import DevGrams
 from core.corpus_filters import BY_NAME, LINE, RULES
-from stages.corpus import langid
+from stages.corpus.langid import classify
 
 LINE_BREAK = "\r\n|[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]"  # what str.splitlines splits on
 SPACE = r"[\s\pZ]"
@@ -329,8 +329,8 @@ def first_rule(texts: pa.Array, rules: dict[str, float]) -> tuple[list, np.ndarr
 
 
 def languages(texts: list[str]) -> tuple[list[str], np.ndarray]:
-    """(top language, its probability) of each text on its first `langid.LANGID_CHARS` characters: py3langid's
-    `classify`, over the whole batch at once (`stages.corpus.langid`)."""
-    return langid.classify(texts)
+    """(top language, its probability) of each text on its first LANGID_CHARS characters: py3langid's `classify`,
+    over the whole batch at once (`stages.corpus.langid`)."""
+    return classify(texts)
 
 
