@@ -1,17 +1,18 @@
 """Language identification of a whole batch at once: py3langid's own model, read from its wheel, evaluated in numpy.
 
 py3langid has no batch interface (its `classify` walks one document's bytes in a Python loop), so its model is
-evaluated here over the flat bytes of every document of a batch. The model is langid.py's (Lui & Baldwin 2012, §2):
+evaluated here over the flat bytes of every document of a batch. The model is langid.py's (Lui & Baldwin 2012):
 a document is NFC UTF-8 bytes (lower-cased when it is all upper case); a byte-level Aho-Corasick automaton
 (Aho & Corasick 1975) walks them and each state it enters names at most one feature (a byte n-gram); the class
 scores are naive Bayes over the features' counts, `log1p(count) @ ptc + pc` in py3langid 0.4, divided by the
 square root of the byte length and normalised by a softmax; the columns of a label listed twice (a script
 variant) are summed into the first.
 
-What makes the walk vectorisable: the automaton's state after a string is the longest suffix of it that is a node
-of its trie (Aho & Corasick 1975, §2), and no node is deeper than `depth` (6 bytes), so the state at each byte is
-the one reached from the root over the last `depth` bytes alone: `depth` gathers over the whole batch's bytes.
-`Model.load` checks that property on the automaton it reads, so a future model without it fails loudly.
+What makes the walk vectorisable: the automaton's states are the nodes of a trie of the features, and its state
+after a string is the longest suffix of that string which is a node; no node is deeper than `depth` (6 bytes), so
+the state at each byte is the one reached from the root over the last `depth` bytes alone: `depth` gathers over
+the whole batch's bytes. `Model.load` checks that property on the automaton it reads (`trie_depth`), so a model
+without it fails loudly instead of answering differently.
 """
 
 from __future__ import annotations
