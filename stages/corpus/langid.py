@@ -84,6 +84,9 @@ def trie_depth(moves: np.ndarray, row: np.ndarray) -> int:
     fail = np.zeros(n, np.int64)
     level, d = np.array([0]), 0
     while len(level):
+        # A state with its failure state's row has its moves: no trie child, nothing more to check. (A model whose
+        # rows were not made distinct only has more to compare.)
+        level = level[(row[level] != row[fail[level]]) | (d == 0)]
         nxt = table(level)  # (L, 256)
         parent = np.repeat(level, 256)
         byte = np.tile(np.arange(256), len(level))
