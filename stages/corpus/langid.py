@@ -35,7 +35,8 @@ class Model:
     """py3langid's model in arrays. Its automaton's table holds the distinct 256-byte rows of its states, flat:
     from state s on byte b the next state is `moves[row(s) + b]`, with `row(s)` 256 x the index of s's row. Here
     `steps` holds the next state's `row` instead, and `named` the feature it names, so a walk is one gather per
-    byte and never needs a state's number."""
+    byte and never needs a state's number. About 130 MB per process (ptc 54, steps and named 37 each), where
+    py3langid's own identifier holds about 65 MB."""
 
     classes: list[str]
     aliases: list[tuple[int, int]]  # (first, repeat) columns of a label listed twice
