@@ -14,14 +14,14 @@ the rule's measure as its value. The stage removes documents and never rewrites 
 drops the lines that do not count from the text it keeps, here they only decide c4_min_sentences, c4_lorem_ipsum
 and c4_curly_brace, and the text trained on is the text read.
 
-Language identification is py3langid (langid.py's naive Bayes model, which ships inside the wheel), one call per
-document: it has no batch interface, and it is the library that does the job.
+Language identification is py3langid's model (langid.py's naive Bayes, which ships inside the wheel), evaluated over
+the whole batch by `stages.corpus.langid`: py3langid has no batch interface; that module evaluates its own model in
+numpy, to its answers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 import pyarrow as pa
@@ -29,6 +29,7 @@ import pyarrow.compute as pc
 
 from core.contamination import DevGrams
 from core.corpus_filters import BY_NAME, LINE, RULES
+from stages.corpus.langid import classify
 
 LINE_BREAK = "\r\n|[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]"  # what str.splitlines splits on
 SPACE = r"[\s\pZ]"
@@ -44,7 +45,6 @@ TERMINAL = "[.!?\u0589\u061f\u06d4\u0700-\u0702\u07f9\u0964\u0965\u104a\u104b\u1
            "\u1809\u203c\u203d\u2047-\u2049\u2e2e\u3002\ua4ff\ua60e\ua60f\ua6f3\ua6f7\ufe52\ufe56\ufe57\uff01" \
            "\uff0e\uff1f\uff61]$"
 SENTENCE_BREAK = r"[.!?]+[\"'”’)\]]*[\s\pZ]+\S"  # an end of sentence with more text after it on the line
-LANGID_CHARS = 2_000  # py3langid's cost is linear in bytes; the first 2,000 characters decide a page's language
 
 
 @dataclass(frozen=True, eq=False)
@@ -328,17 +328,9 @@ def first_rule(texts: pa.Array, rules: dict[str, float]) -> tuple[list, np.ndarr
     return reason.tolist(), value
 
 
-@lru_cache(maxsize=1)
-def _identifier():
-    from py3langid.langid import MODEL_FILE, LanguageIdentifier
-
-    return LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
-
-
 def languages(texts: list[str]) -> tuple[list[str], np.ndarray]:
-    """(top language, its probability) of each text, by py3langid on its first LANGID_CHARS characters."""
-    lid = _identifier()
-    found = [lid.classify(t[:LANGID_CHARS]) for t in texts]
-    return [f[0] for f in found], np.array([f[1] for f in found], np.float64)
+    """(top language, its probability) of each text on its first LANGID_CHARS characters: py3langid's `classify`,
+    over the whole batch at once (`stages.corpus.langid`)."""
+    return classify(texts)
 
 
