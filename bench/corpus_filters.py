@@ -112,8 +112,8 @@ def sources(debs: Path) -> dict[str, list[tuple[str, str | None]]]:
     for wiki in sorted(gensim.glob("enwiki-*.bz2")):
         out["wiki"] += [(p, None) for p in _pieces(bz2.decompress(wiki.read_bytes()).decode("utf-8", "ignore"),
                                                    r"^(?===)")]
-    for wiki in sorted(gensim.glob("bgwiki-*.bz2")):
-        out["wiki"] += [(p, None) for p in _pieces(bz2.decompress(wiki.read_bytes()).decode("utf-8", "ignore"),
+    for wiki in sorted(gensim.glob("bgwiki-*.bz2")):  # UTF-16 with a byte-order mark, unlike the English one
+        out["wiki"] += [(p, None) for p in _pieces(bz2.decompress(wiki.read_bytes()).decode("utf-16"),
                                                    r"\n\s*\n")]
     root = _debs(debs)
     for rst in sorted(root.rglob("*.rst.txt")):
