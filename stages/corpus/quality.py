@@ -4,8 +4,8 @@ The rules are Gopher's (Rae et al. 2021, App. A.1.1 and Table A1), C4's (Raffel 
 FineWeb's (Penedo et al. 2024, §3.3), as datatrove 0.10 measures them; their names and thresholds are
 `core.corpus_filters`. datatrove runs each rule per document in Python; here a batch is split once into a flat
 Arrow array of words and one of lines (pyarrow's string kernels, in C++), every measure is a numpy reduction over
-those by document (`np.bincount` on the parent index), and duplicates are found by `np.unique` over (document,
-dictionary-encoded string) keys. Where datatrove's word splitter is spaCy's tokenizer, words here are runs of
+those by document (`np.bincount` on the parent index), and duplicates are found by Arrow's dictionary encoding of
+exact (document, piece) keys; a word is split and measured once per distinct word of the batch. Where datatrove's word splitter is spaCy's tokenizer, words here are runs of
 letters, digits and marks, and each other non-space character is a word of its own (what spaCy's prefix and suffix
 rules do for English prose; contractions and abbreviations differ).
 
@@ -45,6 +45,7 @@ TERMINAL = "[.!?\u0589\u061f\u06d4\u0700-\u0702\u07f9\u0964\u0965\u104a\u104b\u1
            "\u1809\u203c\u203d\u2047-\u2049\u2e2e\u3002\ua4ff\ua60e\ua60f\ua6f3\ua6f7\ufe52\ufe56\ufe57\uff01" \
            "\uff0e\uff1f\uff61]$"
 SENTENCE_BREAK = r"[.!?]+[\"'”’)\]]*[\s\pZ]+\S"  # an end of sentence with more text after it on the line
+CHAIN_ROUNDS = 1  # vectorised rounds of _dup_gram before a document is read in Python
 LANGID_CHARS = 2_000  # py3langid's cost is linear in bytes; the first 2,000 characters decide a page's language
 
 
@@ -235,23 +236,96 @@ def _top_gram(grams: Grams, words: Words, n_docs: int, cum: np.ndarray, heads: n
     return value
 
 
-def _dup_gram(grams: Grams, words: Words, n_docs: int) -> np.ndarray:
-    """Characters of the words covered by every n-gram that occurred before in its document (overlaps counted
-    once), per document."""
-    again = grams.starts[~grams.first]
-    cover = np.zeros(len(words.ids) + 1, np.int64)
-    np.add.at(cover, again, 1)
-    np.add.at(cover, again + grams.n, -1)
-    covered = np.cumsum(cover[:-1]) > 0
-    return np.bincount(words.doc[covered], weights=words.word_lengths[covered], minlength=n_docs)
+def _dup_gram(grams: Grams, words: Words, n_docs: int, cum: np.ndarray) -> np.ndarray:
+    """Characters of the duplicated n-grams per document, counted as datatrove's `find_all_duplicate` does: read
+    the n-grams left to right; one seen before adds its words' characters and the reading jumps past its n words,
+    neither adding the n-grams it jumps over to those seen nor counting them.
+
+    Vectorised: only a repeat (an n-gram that occurred before) can count. Were every earlier n-gram seen, the
+    counted ones would be a document's first repeat, then the first repeat at least n words after the last counted,
+    and so on (`_chains`). That is datatrove's count up to the first counted n-gram whose earlier copies were all
+    jumped over: there datatrove reads it as new. So that repeat is dropped and the chain of its document walked
+    again, until none is left (a document still unsettled after CHAIN_ROUNDS is read in Python as datatrove does).
+    """
+    n = grams.n
+    value = np.zeros(n_docs)
+    starts, ids, doc, again = grams.starts, grams.ids, words.doc[grams.starts], ~grams.first
+    for _ in range(CHAIN_ROUNDS):
+        if not again.any():
+            return value
+        repeats = np.flatnonzero(again)
+        counted = repeats[_chains(starts[repeats], doc[repeats], n)]
+        at = starts[counted]
+        # each counted n-gram's first copy that was read (not jumped over) must come before it
+        prev = np.searchsorted(at, starts, "right") - 1
+        last = at[np.maximum(prev, 0)]
+        read = (prev < 0) | (starts <= last) | (starts >= last + n)  # a jump stays inside its document
+        first_read = np.full(len(grams.counts), len(words.ids))
+        np.minimum.at(first_read, ids[read], starts[read])
+        wrong = counted[first_read[ids[counted]] >= at]
+        unsettled = np.unique(doc[wrong])
+        done = ~np.isin(doc[counted], unsettled)
+        value += np.bincount(doc[counted[done]], weights=cum[at[done] + n] - cum[at[done]], minlength=n_docs)
+        if not len(wrong):
+            return value
+        again[wrong[np.r_[True, doc[wrong][1:] != doc[wrong][:-1]]]] = False  # each document's first wrong one
+        keep = np.isin(doc, unsettled)
+        starts, ids, doc, again = starts[keep], ids[keep], doc[keep], again[keep]
+    # the documents left: datatrove's reading, over the n-grams that occur more than once only (the others are
+    # never counted, and being seen decides nothing)
+    many = grams.counts[ids] > 1
+    for d, chars in _read_repeats(starts[many].tolist(), ids[many].tolist(), doc[many].tolist(), n,
+                                  cum.tolist()).items():
+        value[d] = chars
+    return value
+
+
+def _read_repeats(starts: list[int], ids: list[int], docs: list[int], n: int, cum: list[int]) -> dict[int, int]:
+    """datatrove's `find_all_duplicate` per document, over the starts (ascending) and ids of its n-grams that occur
+    more than once: {document: characters counted}."""
+    out: dict[int, int] = {}
+    seen: set[int] = set()
+    doc, reads_from = -1, 0
+    for at, gram, d in zip(starts, ids, docs):
+        if d != doc:
+            doc, reads_from, out[d] = d, 0, 0
+            seen.clear()
+        if at < reads_from:
+            continue
+        if gram in seen:
+            out[d] += cum[at + n] - cum[at]
+            reads_from = at + n
+        else:
+            seen.add(gram)
+    return out
+
+
+def _chains(pos: np.ndarray, doc: np.ndarray, n: int) -> np.ndarray:
+    """(R,) bool over the repeats at word positions `pos` (ascending) of documents `doc`: each document's first, then
+    the first at least n words after the last taken, and so on (a chain of "next" pointers, walked for every
+    document at once by pointer doubling: log2 of its length steps)."""
+    m = len(pos)
+    nxt = np.searchsorted(pos, pos + n)  # the first repeat n words on, or m
+    inside = nxt < m
+    nxt[inside] = np.where(doc[nxt[inside]] == doc[inside], nxt[inside], m)
+    jumps = [np.r_[nxt, m]]
+    while (jumps[-1][:m] < m).any():
+        jumps.append(jumps[-1][jumps[-1]])
+    on = np.zeros(m + 1, bool)
+    on[np.r_[0, np.flatnonzero(doc[1:] != doc[:-1]) + 1]] = True
+    for jump in reversed(jumps):  # from the longest jump down: mark the members 2^k steps on
+        on[jump[np.flatnonzero(on)]] = True
+    return on[:m]
 
 
 def _ngram_measures(words: Words, n_docs: int, text_chars: np.ndarray, top: tuple[int, ...],
                     dup: tuple[int, ...]) -> dict[int, np.ndarray]:
     """Gopher's n-gram repetition (Rae et al. 2021, Table A1) per document, by n:
     top n-gram: characters of the most frequent n-gram (words joined by spaces; ties: the first seen) x its count;
-    duplicated n-grams: characters of the words covered by every n-gram that occurred before in the document
-    (overlaps counted once). Both over the text's characters."""
+    duplicated n-grams: characters of the n-grams that occurred before, as datatrove reads them (`_dup_gram`).
+    Both over the text's characters. The paper's "fraction of characters in duplicated n-grams" would count every
+    word covered by a repeated n-gram; datatrove's greedy reading counts fewer (it jumps past each one it counts),
+    and the referee's is the count users of these thresholds get, so it is the one here."""
     if not len(words.doc):
         return {n: np.zeros(n_docs) for n in (*top, *dup)}
     cum = np.r_[0, np.cumsum(words.word_lengths)]
@@ -261,7 +335,7 @@ def _ngram_measures(words: Words, n_docs: int, text_chars: np.ndarray, top: tupl
         if grams.n in top:
             out[grams.n] = _top_gram(grams, words, n_docs, cum, heads) / np.maximum(text_chars, 1)
         if grams.n in dup:
-            out[grams.n] = _dup_gram(grams, words, n_docs) / np.maximum(text_chars, 1)
+            out[grams.n] = _dup_gram(grams, words, n_docs, cum) / np.maximum(text_chars, 1)
     return out
 
 
