@@ -30,7 +30,7 @@ same) and an `exclusion_writer` (JSONL of the removed documents with their reaso
 and write what they remove. A block's two runs share one process, held to one thread; --procs blocks run side by
 side; the speed is documents per CPU second of that process (the wall time is kept too: on a shared machine it
 measures the neighbours). Each disagreement is then classed by the first of our choices that, swapped into
-datatrove's block (its word splitter, its duplicated n-gram count, its sentence splitter), makes it decide as ours.
+datatrove's block (its word splitter, its sentence splitter), makes it decide as ours.
 datatrove's C4QualityFilter also rewrites the text it keeps (the lines that do not count are dropped); that
 rewrite changes no keep/remove decision of the block, and only decisions are compared.
 
@@ -228,17 +228,6 @@ def _our_sentences(line: str, language=None) -> list[str]:
     return [line] * (len(regex.findall(SENTENCE_BREAK, line)) + 1)
 
 
-def _covered_chars(words: list[str], n: int) -> int:
-    """Characters of the words covered by an n-gram seen before in the document (ours, Rae et al. 2021 Table A1)."""
-    seen, covered = set(), [False] * len(words)
-    for i in range(len(words) - n + 1):
-        gram = tuple(words[i:i + n])
-        if gram in seen:
-            covered[i:i + n] = [True] * n
-        seen.add(gram)
-    return sum(len(w) for w, c in zip(words, covered) if c)
-
-
 def _causes(block: str) -> list[tuple[str, dict]]:
     """What to change in datatrove's block, cumulatively, to see why it disagrees with ours: (cause, patches)."""
     from datatrove.pipeline.filters import c4_filters, fineweb_quality_filter, gopher_quality_filter
@@ -247,8 +236,7 @@ def _causes(block: str) -> list[tuple[str, dict]]:
     words = lambda module: {(module, "split_into_words"): lambda text, language=None: _our_words(text)}  # noqa: E731
     return {
         "gopher_quality": [("word splitter", words(gopher_quality_filter))],
-        "gopher_repetition": [("word splitter", words(rep)),
-                              ("duplicated n-grams", {**words(rep), (rep, "find_all_duplicate"): _covered_chars})],
+        "gopher_repetition": [("word splitter", words(rep))],
         "c4": [("sentence splitter", {(c4_filters, "split_into_sentences"): _our_sentences})],
         "fineweb": [("word splitter", words(fineweb_quality_filter))],
     }[block]

@@ -4,8 +4,8 @@ The rules are Gopher's (Rae et al. 2021, App. A.1.1 and Table A1), C4's (Raffel 
 FineWeb's (Penedo et al. 2024, §3.3), as datatrove 0.10 measures them; their names and thresholds are
 `core.corpus_filters`. datatrove runs each rule per document in Python; here a batch is split once into a flat
 Arrow array of words and one of lines (pyarrow's string kernels, in C++), every measure is a numpy reduction over
-those by document (`np.bincount` on the parent index), and duplicates are found by `np.unique` over (document,
-dictionary-encoded string) keys. Where datatrove's word splitter is spaCy's tokenizer, words here are runs of
+those by document (`np.bincount` on the parent index), and duplicates are found by Arrow's dictionary encoding of
+exact (document, piece) keys; a word is split and measured once per distinct word of the batch. Where datatrove's word splitter is spaCy's tokenizer, words here are runs of
 letters, digits and marks, and each other non-space character is a word of its own (what spaCy's prefix and suffix
 rules do for English prose; contractions and abbreviations differ).
 
@@ -22,6 +22,7 @@ numpy, to its answers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import pyarrow as pa
@@ -32,6 +33,7 @@ from core.corpus_filters import BY_NAME, LINE, RULES
 from stages.corpus.langid import classify
 
 LINE_BREAK = "\r\n|[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]"  # what str.splitlines splits on
+OTHER_BREAK = "[\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]"
 SPACE = r"[\s\pZ]"
 # A word is a run of letters, digits and marks; any other visible character stands alone.
 PUNCT_ALONE = r"([^\pL\pN\pM\s\pZ])"
@@ -45,6 +47,7 @@ TERMINAL = "[.!?\u0589\u061f\u06d4\u0700-\u0702\u07f9\u0964\u0965\u104a\u104b\u1
            "\u1809\u203c\u203d\u2047-\u2049\u2e2e\u3002\ua4ff\ua60e\ua60f\ua6f3\ua6f7\ufe52\ufe56\ufe57\uff01" \
            "\uff0e\uff1f\uff61]$"
 SENTENCE_BREAK = r"[.!?]+[\"'”’)\]]*[\s\pZ]+\S"  # an end of sentence with more text after it on the line
+CHAIN_ROUNDS = 1  # vectorised rounds of _dup_gram before a document is read in Python
 
 
 @dataclass(frozen=True, eq=False)
@@ -89,29 +92,72 @@ class Parts:
         return np.bincount(doc, weights=w, minlength=n).astype(np.float64)
 
     def lengths(self) -> np.ndarray:
-        return pc.utf8_length(self.values).to_numpy(zero_copy_only=False).astype(np.int64)
+        return _numpy(pc.utf8_length(self.values)).astype(np.int64)
 
     def matches(self, pattern: str, ignore_case: bool = False) -> np.ndarray:
-        return pc.match_substring_regex(self.values, pattern, ignore_case=ignore_case).to_numpy(zero_copy_only=False)
+        return _numpy(pc.match_substring_regex(self.values, pattern, ignore_case=ignore_case))
+
+
+class Words(Parts):
+    """The batch's words: `values` holds each distinct word once (the batch's vocabulary), `ids` (W,) each word's
+    index there, `doc` (W,) its document. What a rule asks of a word (its length, a pattern) is asked of the
+    vocabulary once and read back by id."""
+
+    def __init__(self, vocab: pa.Array, ids: np.ndarray, doc: np.ndarray):
+        super().__init__(vocab, doc)
+        self.ids = ids
+
+    @cached_property
+    def word_lengths(self) -> np.ndarray:
+        return Parts.lengths(self)[self.ids]
+
+    def lengths(self) -> np.ndarray:
+        return self.word_lengths
+
+    def matches(self, pattern: str, ignore_case: bool = False) -> np.ndarray:
+        return Parts.matches(self, pattern, ignore_case)[self.ids]
+
+
+def _numpy(array: pa.Array) -> np.ndarray:
+    return array.to_numpy(zero_copy_only=False)
 
 
 def _splitlines(texts: pa.Array) -> Parts:
     """str.splitlines of every text: a line break at the very end starts no line."""
-    parts = Parts.of(pc.split_pattern_regex(texts, LINE_BREAK))
+    if pc.any(pc.match_substring_regex(texts, OTHER_BREAK)).as_py():  # any break but "\n"
+        parts = Parts.of(pc.split_pattern_regex(texts, LINE_BREAK))
+    else:
+        parts = Parts.of(pc.split_pattern(texts, "\n"))
     last = np.r_[parts.doc[1:] != parts.doc[:-1], True]
     first = np.r_[True, parts.doc[1:] != parts.doc[:-1]]
     return parts.where(~(last & ~first & (parts.lengths() == 0)))
 
 
-def _words(texts: pa.Array) -> Parts:
-    words = Parts.of(pc.utf8_split_whitespace(pc.replace_substring_regex(texts, PUNCT_ALONE, r" \1 ")))
-    return words.where(words.lengths() > 0)  # Arrow's split keeps the empty strings before and after edge spaces
+def _words(texts: pa.Array) -> Words:
+    """Every text's words: split at white space, then each distinct piece (once per batch) at the characters that
+    stand alone."""
+    pieces = Parts.of(pc.utf8_split_whitespace(texts))
+    encoded = pc.dictionary_encode(pieces.values)
+    piece = _numpy(encoded.indices).astype(np.int64)
+    # the pieces hold no white space: the spaces put around the characters that stand alone are the only ones
+    split = pc.split_pattern(pc.replace_substring_regex(encoded.dictionary, PUNCT_ALONE, r" \1 "), " ")
+    vocab = pc.dictionary_encode(split.values)
+    word = _numpy(vocab.indices).astype(np.int64)  # (S,) the words of the distinct pieces, in order
+    offsets = _numpy(split.offsets).astype(np.int64)
+    keep = _numpy(pc.utf8_length(vocab.dictionary))[word] > 0  # the empty strings between and after spaces
+    offsets = np.r_[0, np.cumsum(keep)][offsets]
+    word = word[keep]
+    per = np.diff(offsets)[piece]  # (P,) words of each piece of a text
+    total = int(per.sum())
+    ends = np.cumsum(per)
+    at = np.repeat(offsets[piece] - ends + per, per) + np.arange(total)
+    return Words(vocab.dictionary, word[at], np.repeat(pieces.doc, per))
 
 
-def _first_seen(keys: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+def _first_seen(keys: pa.Array | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(ids, first): each key's id, numbered in order of first appearance (Arrow's hash table, O(N) where a sort
     is O(N log N)), and whether this position is that first appearance."""
-    ids = pc.dictionary_encode(keys).indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    ids = _numpy(pc.dictionary_encode(keys).indices).astype(np.int64)
     first = ids > np.r_[-1, np.maximum.accumulate(ids)[:-1]] if len(ids) else np.zeros(0, bool)
     return ids, first
 
@@ -121,12 +167,13 @@ def _repeats(parts: Parts) -> np.ndarray:
     if not len(parts.doc):
         return np.zeros(0, bool)
     ids, _ = _first_seen(parts.values)
-    return ~_first_seen(pa.array(parts.doc * (int(ids.max()) + 1) + ids))[1]
+    return ~_first_seen(parts.doc * (int(ids.max()) + 1) + ids)[1]
 
 
-def _dup_fractions(parts: Parts, n: int, chars: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _dup_fractions(parts: Parts, n: int, chars: np.ndarray, repeat: np.ndarray | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
     """Per document: duplicate pieces / pieces, characters in duplicate pieces / `chars`."""
-    repeat = _repeats(parts)
+    repeat = _repeats(parts) if repeat is None else repeat
     pieces = np.maximum(parts.count(n), 1)
     return parts.count(n, repeat) / pieces, parts.count(n, repeat, parts.lengths()) / np.maximum(chars, 1)
 
@@ -134,70 +181,162 @@ def _dup_fractions(parts: Parts, n: int, chars: np.ndarray) -> tuple[np.ndarray,
 # ---------------------------------------------------------------- n-grams of words
 
 
-MIX = np.uint64(0x9E3779B97F4A7C15)
+@dataclass
+class Grams:
+    """The n-grams of one size that can occur more than once in their document: `starts` (G,) their first word,
+    ascending; `ids` (G,) numbered by first appearance in the batch (an id never spans two documents); `first`
+    whether this is the id's first appearance; `counts` by id. An n-gram whose (n-1)-word prefix occurs once in
+    its document occurs once too, so the n-grams of size n+1 are built from these alone, each key exact: the
+    prefix's id and the next word's."""
+
+    n: int
+    starts: np.ndarray
+    ids: np.ndarray
+    first: np.ndarray
+    counts: np.ndarray
+
+    @classmethod
+    def chain(cls, words: Words, sizes: int) -> list["Grams"]:
+        """The n-grams of sizes 2..`sizes`."""
+        ids, doc, vocab = words.ids, words.doc, max(len(words.values), 1)
+        if int(doc[-1] + 1) * vocab * vocab >= 1 << 62:  # (document, word) numbered densely first
+            ids = _first_seen(doc * vocab + ids)[0]
+            vocab = int(ids.max()) + 1
+        else:
+            ids = doc * vocab + ids
+        out, prefix, starts = [], ids, np.arange(len(ids))
+        for n in range(2, sizes + 1):
+            keep = starts + n - 1 < len(ids)
+            starts, prefix = starts[keep], prefix[keep]
+            keep = doc[starts + n - 1] == doc[starts]
+            starts, prefix = starts[keep], prefix[keep]
+            gram, first = _first_seen(prefix * vocab + ids[starts + n - 1])
+            counts = np.bincount(gram)
+            out.append(cls(n, starts, gram, first, counts))
+            again = counts[gram] > 1
+            starts, prefix = starts[again], gram[again]
+        return out
 
 
-def _ngram_keys(word_ids: np.ndarray, doc: np.ndarray, n: int,
-                starts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, keys): the positions where an n-gram of one document starts (of `starts` when given), and a 64-bit
-    key of (document, its words); keys of different n-grams collide with probability ~2^-64."""
-    if starts is None:
-        starts = np.flatnonzero(doc[n - 1:] == doc[:len(doc) - n + 1]) if len(doc) >= n else np.zeros(0, np.int64)
-    else:
-        starts = starts[starts + n - 1 < len(doc)]
-        starts = starts[doc[starts + n - 1] == doc[starts]]
-    key = doc[starts].astype(np.uint64) * MIX
-    with np.errstate(over="ignore"):
-        for k in range(n):
-            key = (key ^ word_ids[starts + k].astype(np.uint64)) * MIX
-            key ^= key >> np.uint64(29)
-    return starts, key
+def _top_gram(grams: Grams, words: Words, n_docs: int, cum: np.ndarray, heads: np.ndarray) -> np.ndarray:
+    """Characters of the most frequent n-gram (its words joined by spaces) x its count, per document; of n-grams
+    equally frequent, the first seen (Counter.most_common(1))."""
+    n = grams.n
+    value = np.zeros(n_docs)
+    # a document with no repeated n-gram: its first n-gram, once
+    firsts = heads[:-1][heads[1:] - heads[:-1] >= n]
+    value[words.doc[firsts]] = cum[firsts + n] - cum[firsts] + n - 1
+    repeated = grams.first & (grams.counts[grams.ids] > 1)
+    if repeated.any():
+        at, gram = grams.starts[repeated], grams.ids[repeated]
+        count = grams.counts[gram]
+        doc = words.doc[at]
+        score = count * (len(grams.counts) + 1) - gram
+        best = _group_argmax(score, np.flatnonzero(np.r_[True, doc[1:] != doc[:-1]]))
+        value[doc[best]] = (cum[at[best] + n] - cum[at[best]] + n - 1) * count[best]
+    return value
 
 
-def _ngram_measures(words: Parts, n_docs: int, text_chars: np.ndarray, top: tuple[int, ...],
+def _dup_gram(grams: Grams, words: Words, n_docs: int, cum: np.ndarray) -> np.ndarray:
+    """Characters of the duplicated n-grams per document, counted as datatrove's `find_all_duplicate` does: read
+    the n-grams left to right; one seen before adds its words' characters and the reading jumps past its n words,
+    neither adding the n-grams it jumps over to those seen nor counting them.
+
+    Vectorised: only a repeat (an n-gram that occurred before) can count. Were every earlier n-gram seen, the
+    counted ones would be a document's first repeat, then the first repeat at least n words after the last counted,
+    and so on (`_chains`). That is datatrove's count up to the first counted n-gram whose earlier copies were all
+    jumped over: there datatrove reads it as new. So that repeat is dropped and the chain of its document walked
+    again, until none is left (a document still unsettled after CHAIN_ROUNDS is read in Python as datatrove does).
+    """
+    n = grams.n
+    value = np.zeros(n_docs)
+    starts, ids, doc, again = grams.starts, grams.ids, words.doc[grams.starts], ~grams.first
+    for _ in range(CHAIN_ROUNDS):
+        if not again.any():
+            return value
+        repeats = np.flatnonzero(again)
+        counted = repeats[_chains(starts[repeats], doc[repeats], n)]
+        at = starts[counted]
+        # each counted n-gram's first copy that was read (not jumped over) must come before it
+        prev = np.searchsorted(at, starts, "right") - 1
+        last = at[np.maximum(prev, 0)]
+        read = (prev < 0) | (starts <= last) | (starts >= last + n)  # a jump stays inside its document
+        first_read = np.full(len(grams.counts), len(words.ids))
+        np.minimum.at(first_read, ids[read], starts[read])
+        wrong = counted[first_read[ids[counted]] >= at]
+        unsettled = np.unique(doc[wrong])
+        done = ~np.isin(doc[counted], unsettled)
+        value += np.bincount(doc[counted[done]], weights=cum[at[done] + n] - cum[at[done]], minlength=n_docs)
+        if not len(wrong):
+            return value
+        again[wrong[np.r_[True, doc[wrong][1:] != doc[wrong][:-1]]]] = False  # each document's first wrong one
+        keep = np.isin(doc, unsettled)
+        starts, ids, doc, again = starts[keep], ids[keep], doc[keep], again[keep]
+    # the documents left: datatrove's reading, over the n-grams that occur more than once only (the others are
+    # never counted, and being seen decides nothing)
+    many = grams.counts[ids] > 1
+    for d, chars in _read_repeats(starts[many].tolist(), ids[many].tolist(), doc[many].tolist(), n,
+                                  cum.tolist()).items():
+        value[d] = chars
+    return value
+
+
+def _read_repeats(starts: list[int], ids: list[int], docs: list[int], n: int, cum: list[int]) -> dict[int, int]:
+    """datatrove's `find_all_duplicate` per document, over the starts (ascending) and ids of its n-grams that occur
+    more than once: {document: characters counted}."""
+    out: dict[int, int] = {}
+    seen: set[int] = set()
+    doc, reads_from = -1, 0
+    for at, gram, d in zip(starts, ids, docs):
+        if d != doc:
+            doc, reads_from, out[d] = d, 0, 0
+            seen.clear()
+        if at < reads_from:
+            continue
+        if gram in seen:
+            out[d] += cum[at + n] - cum[at]
+            reads_from = at + n
+        else:
+            seen.add(gram)
+    return out
+
+
+def _chains(pos: np.ndarray, doc: np.ndarray, n: int) -> np.ndarray:
+    """(R,) bool over the repeats at word positions `pos` (ascending) of documents `doc`: each document's first, then
+    the first at least n words after the last taken, and so on (a chain of "next" pointers, walked for every
+    document at once by pointer doubling: log2 of its length steps)."""
+    m = len(pos)
+    nxt = np.searchsorted(pos, pos + n)  # the first repeat n words on, or m
+    inside = nxt < m
+    nxt[inside] = np.where(doc[nxt[inside]] == doc[inside], nxt[inside], m)
+    jumps = [np.r_[nxt, m]]
+    while (jumps[-1][:m] < m).any():
+        jumps.append(jumps[-1][jumps[-1]])
+    on = np.zeros(m + 1, bool)
+    on[np.r_[0, np.flatnonzero(doc[1:] != doc[:-1]) + 1]] = True
+    for jump in reversed(jumps):  # from the longest jump down: mark the members 2^k steps on
+        on[jump[np.flatnonzero(on)]] = True
+    return on[:m]
+
+
+def _ngram_measures(words: Words, n_docs: int, text_chars: np.ndarray, top: tuple[int, ...],
                     dup: tuple[int, ...]) -> dict[int, np.ndarray]:
     """Gopher's n-gram repetition (Rae et al. 2021, Table A1) per document, by n:
     top n-gram: characters of the most frequent n-gram (words joined by spaces; ties: the first seen) x its count;
-    duplicated n-grams: characters of the words covered by every n-gram that occurred before in the document
-    (overlaps counted once). Both over the text's characters."""
-    out: dict[int, np.ndarray] = {}
+    duplicated n-grams: characters of the n-grams that occurred before, as datatrove reads them (`_dup_gram`).
+    Both over the text's characters. The paper's "fraction of characters in duplicated n-grams" would count every
+    word covered by a repeated n-gram; datatrove's greedy reading counts fewer (it jumps past each one it counts),
+    and the referee's is the count users of these thresholds get, so it is the one here."""
     if not len(words.doc):
         return {n: np.zeros(n_docs) for n in (*top, *dup)}
-    ids = _first_seen(words.values)[0]
-    lengths = words.lengths()
-    cum = np.r_[0, np.cumsum(lengths)]
-    for n in top:
-        starts, key = _ngram_keys(ids, words.doc, n)
-        value = np.zeros(n_docs)
-        if len(starts):
-            gram, first = _first_seen(pa.array(key))
-            count = np.bincount(gram)
-            at = starts[first]  # each distinct n-gram's first start; grouped by document, in order
-            doc = words.doc[at]
-            # Counter.most_common(1): the highest count, of those the first seen (the smallest id)
-            score = count * (len(count) + 1) - np.arange(len(count))
-            heads = np.flatnonzero(np.r_[True, doc[1:] != doc[:-1]])
-            best = _group_argmax(score, heads)
-            chars = cum[at[best] + n] - cum[at[best]] + n - 1
-            value[doc[best]] = chars * count[best]
-        out[n] = value / np.maximum(text_chars, 1)
-    # An n-gram that occurred before has an (n-1)-gram prefix that occurred before, at the earlier copy's start: so
-    # past the shortest size only the starts whose shorter n-gram occurs more than once are hashed (a few percent of
-    # a text's words), not every word again for each size.
-    candidates = None
-    for n in sorted(dup):
-        starts, key = _ngram_keys(ids, words.doc, n, candidates)
-        value, candidates = np.zeros(n_docs), starts
-        if len(starts):
-            gram, first = _first_seen(pa.array(key))
-            again = ~first
-            candidates = starts[np.bincount(gram)[gram] > 1]
-            cover = np.zeros(len(ids) + 1, np.int64)
-            np.add.at(cover, starts[again], 1)
-            np.add.at(cover, starts[again] + n, -1)
-            covered = np.cumsum(cover[:-1]) > 0
-            value = np.bincount(words.doc[covered], weights=lengths[covered], minlength=n_docs)
-        out[n] = value / np.maximum(text_chars, 1)
+    cum = np.r_[0, np.cumsum(words.word_lengths)]
+    heads = np.r_[np.flatnonzero(np.r_[True, words.doc[1:] != words.doc[:-1]]), len(words.doc)]
+    out: dict[int, np.ndarray] = {}
+    for grams in Grams.chain(words, max((*top, *dup))):
+        if grams.n in top:
+            out[grams.n] = _top_gram(grams, words, n_docs, cum, heads) / np.maximum(text_chars, 1)
+        if grams.n in dup:
+            out[grams.n] = _dup_gram(grams, words, n_docs, cum) / np.maximum(text_chars, 1)
     return out
 
 
@@ -212,23 +351,21 @@ def _group_argmax(score: np.ndarray, heads: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------- the rules' measures
 
 
-def _gopher_quality(texts: pa.Array, words: Parts, lines: Parts, n: int) -> dict[str, np.ndarray]:
+def _gopher_quality(texts: pa.Array, words: Words, lines: Parts, n: int) -> dict[str, np.ndarray]:
     counted = ~words.matches(SYMBOL_ONLY)
     n_words = words.count(n)
     n_counted = words.count(n, counted)
-    lengths = words.lengths()
-    mean_length = words.count(n, counted, lengths) / np.maximum(n_counted, 1)
-    stop = pc.index_in(words.values, value_set=pa.array(STOP_WORDS)).to_numpy(zero_copy_only=False)
+    mean_length = words.count(n, counted, words.lengths()) / np.maximum(n_counted, 1)
+    stop = _numpy(pc.index_in(words.values, value_set=pa.array(STOP_WORDS)))[words.ids]
     found = ~np.isnan(stop)
     distinct = np.unique(words.doc[found] * len(STOP_WORDS) + stop[found].astype(np.int64))
-    ellipses = (pc.count_substring(texts, "...").to_numpy(zero_copy_only=False)
-                + pc.count_substring(texts, "…").to_numpy(zero_copy_only=False))
+    ellipses = _numpy(pc.count_substring(texts, "...")) + _numpy(pc.count_substring(texts, "…"))
     n_lines = np.maximum(lines.count(n), 1)
     per_word = np.maximum(n_words, 1)
     return {
         "gopher_min_words": n_counted, "gopher_max_words": n_counted,
         "gopher_min_mean_word_length": mean_length, "gopher_max_mean_word_length": mean_length,
-        "gopher_hash_ratio": pc.count_substring(texts, "#").to_numpy(zero_copy_only=False) / per_word,
+        "gopher_hash_ratio": _numpy(pc.count_substring(texts, "#")) / per_word,
         "gopher_ellipsis_ratio": ellipses / per_word,
         "gopher_bullet_lines": lines.count(n, lines.matches(rf"^{SPACE}*[•\-]")) / n_lines,
         "gopher_ellipsis_lines": lines.count(n, lines.matches(rf"(\.\.\.|…){SPACE}*$")) / n_lines,
@@ -237,13 +374,45 @@ def _gopher_quality(texts: pa.Array, words: Parts, lines: Parts, n: int) -> dict
     }
 
 
-def _gopher_repetition(texts: pa.Array, words: Parts, rules: dict[str, float], n: int) -> dict[str, np.ndarray]:
-    chars = pc.utf8_length(texts).to_numpy(zero_copy_only=False).astype(np.float64)
+@dataclass
+class NewlinePieces:
+    """Every text split at "\n" once, for Gopher's lines (runs of "\n" split, `re.split("\n+")`) and FineWeb's
+    (the non-blank pieces); `repeat`: the piece equals an earlier piece of its text."""
+
+    parts: Parts
+    repeat: np.ndarray
+
+    @classmethod
+    def of(cls, texts: pa.Array) -> "NewlinePieces":
+        parts = Parts.of(pc.split_pattern(texts, "\n"))
+        return cls(parts, _repeats(parts))
+
+    def gopher(self) -> tuple[Parts, np.ndarray]:
+        """re.split("\n+", text): the non-empty pieces, and an empty one at the start and at the end of a text
+        that starts or ends with "\n" (the second of those two is a repeat of the first)."""
+        doc = self.parts.doc
+        first = np.r_[True, doc[1:] != doc[:-1]]
+        last = np.r_[doc[1:] != doc[:-1], True]
+        empty = _numpy(pc.utf8_length(self.parts.values)) == 0
+        keep = ~empty | first | last
+        repeat = self.repeat & ~empty
+        edge = np.flatnonzero(empty & last & ~first)
+        repeat[edge] = empty[np.searchsorted(doc, doc[edge])]  # the text's first piece is empty too
+        return self.parts.where(keep), repeat[keep]
+
+    def fineweb(self) -> tuple[Parts, np.ndarray]:
+        keep = _numpy(pc.not_equal(pc.utf8_trim_whitespace(self.parts.values), ""))
+        return self.parts.where(keep), self.repeat[keep]
+
+
+def _gopher_repetition(texts: pa.Array, words: Words, newlines: NewlinePieces, rules: dict[str, float],
+                       n: int) -> dict[str, np.ndarray]:
+    chars = _numpy(pc.utf8_length(texts)).astype(np.float64)
     paragraphs = Parts.of(pc.split_pattern_regex(pc.utf8_trim_whitespace(texts), r"\n\n+"))
-    lines = Parts.of(pc.split_pattern_regex(texts, r"\n+"))
     out = {}
     out["gopher_dup_paragraphs"], out["gopher_dup_paragraph_chars"] = _dup_fractions(paragraphs, n, chars)
-    out["gopher_dup_lines"], out["gopher_dup_line_chars"] = _dup_fractions(lines, n, chars)
+    lines, repeat = newlines.gopher()
+    out["gopher_dup_lines"], out["gopher_dup_line_chars"] = _dup_fractions(lines, n, chars, repeat)
     top = tuple(k for k in (2, 3, 4) if f"gopher_top_{k}gram" in rules)
     dup = tuple(k for k in range(5, 11) if f"gopher_dup_{k}gram" in rules)
     grams = _ngram_measures(words, n, chars, top, dup)
@@ -278,17 +447,16 @@ def _c4(lines: Parts, rules: dict[str, float], n: int) -> dict[str, np.ndarray]:
             "c4_min_sentences": lines.count(n, counts, breaks + 1.0)}
 
 
-def _fineweb(texts: pa.Array, words: Parts, n: int) -> dict[str, np.ndarray]:
-    lines = Parts.of(pc.split_pattern(texts, "\n"))
-    lines = lines.where(pc.not_equal(pc.utf8_trim_whitespace(lines.values), "").to_numpy(zero_copy_only=False))
+def _fineweb(texts: pa.Array, words: Words, newlines: NewlinePieces, n: int) -> dict[str, np.ndarray]:
+    lines, repeat = newlines.fineweb()
     n_lines = np.maximum(lines.count(n), 1)
-    chars = pc.utf8_length(pc.replace_substring(texts, "\n", "")).to_numpy(zero_copy_only=False)
-    newlines = pc.count_substring(texts, "\n").to_numpy(zero_copy_only=False)
+    newline_count = _numpy(pc.count_substring(texts, "\n"))
+    chars = _numpy(pc.utf8_length(texts)) - newline_count
     return {
         "fineweb_line_punct": lines.count(n, lines.matches(TERMINAL)) / n_lines,
         "fineweb_short_lines": lines.count(n, lines.lengths() <= 30) / n_lines,
-        "fineweb_dup_line_chars": _dup_fractions(lines, n, chars)[1],
-        "fineweb_list_ratio": newlines / np.maximum(words.count(n), 1),
+        "fineweb_dup_line_chars": _dup_fractions(lines, n, chars, repeat)[1],
+        "fineweb_list_ratio": newline_count / np.maximum(words.count(n), 1),
     }
 
 
@@ -299,15 +467,16 @@ def measure(texts: pa.Array, rules: dict[str, float]) -> dict[str, np.ndarray]:
     groups = {BY_NAME[r].group for r in rules}
     words = _words(texts) if groups - {"c4"} else None
     lines = _splitlines(texts) if groups & {"gopher_quality", "c4"} else None
+    newlines = NewlinePieces.of(texts) if groups & {"gopher_repetition", "fineweb"} else None
     out: dict[str, np.ndarray] = {}
     if "gopher_repetition" in groups:
-        out.update(_gopher_repetition(texts, words, rules, n))
+        out.update(_gopher_repetition(texts, words, newlines, rules, n))
     if "gopher_quality" in groups:
         out.update(_gopher_quality(texts, words, lines, n))
     if "c4" in groups:
         out.update(_c4(lines, rules, n))
     if "fineweb" in groups:
-        out.update(_fineweb(texts, words, n))
+        out.update(_fineweb(texts, words, newlines, n))
     return out
 
 

@@ -184,3 +184,31 @@ def test_a_text_with_punctuation_or_space_at_its_edges_has_no_empty_words():
     assert m["gopher_alpha_words"][0] == pytest.approx(sum(any(c.isalpha() for c in w) for w in words) / len(words))
     first = " ".join(words[:4])  # every 4-gram occurs once: the first seen is the top one
     assert m["gopher_top_4gram"][0] == pytest.approx(len(first) / len(text))
+
+
+def _find_all_duplicate(words: list[str], n: int) -> int:
+    """datatrove's duplicated n-gram count, read one document at a time: an n-gram seen before adds its words'
+    characters and the reading jumps past it, without seeing the n-grams it jumps over."""
+    seen, chars, i = set(), 0, 0
+    while i < len(words) - n + 1:
+        gram = tuple(words[i:i + n])
+        if gram in seen:
+            chars, i = chars + sum(map(len, gram)), i + n
+        else:
+            seen.add(gram)
+            i += 1
+    return chars
+
+
+def test_duplicated_ngrams_are_counted_as_datatrove_reads_them(changelogs, lee):
+    sentence = lee[0].split(".")[0].split()[:6]  # six words of a news story, the story twice
+    text = " ".join(sentence + sentence)
+    m = quality.measure(_texts([text]), resolve(("gopher_repetition",)))
+    # the second copy's first 5-gram counts and the reading jumps past its five words: the sixth is not counted
+    assert m["gopher_dup_5gram"][0] == pytest.approx(sum(map(len, sentence[:5])) / len(text))
+    docs = changelogs[:10] + lee[:10]  # changelogs repeat whole entries: copies jumped over, read again later
+    m = quality.measure(_texts(docs), resolve(("gopher_repetition",)))
+    for i, doc in enumerate(docs):
+        words = re.findall(r"[^\W_]+|[^\w\s]|_", doc)
+        for n in range(5, 11):
+            assert m[f"gopher_dup_{n}gram"][i] == pytest.approx(_find_all_duplicate(words, n) / len(doc)), (i, n)
