@@ -5,9 +5,11 @@ FineWeb's (Penedo et al. 2024, §3.3), as datatrove 0.10 measures them; their na
 `core.corpus_filters`. datatrove runs each rule per document in Python; here a batch is split once into a flat
 Arrow array of words and one of lines (pyarrow's string kernels, in C++), every measure is a numpy reduction over
 those by document (`np.bincount` on the parent index), and duplicates are found by Arrow's dictionary encoding of
-exact (document, piece) keys; a word is split and measured once per distinct word of the batch. Where datatrove's word splitter is spaCy's tokenizer, words here are runs of
-letters, digits and marks, and each other non-space character is a word of its own (what spaCy's prefix and suffix
-rules do for English prose; contractions and abbreviations differ).
+exact (document, piece) keys; a word is split and measured once per distinct word of the batch. Where datatrove's
+word splitter is spaCy's tokenizer, words here are runs of letters, digits and marks, a number keeping its inner
+"." and "," (3.5, 1,000) and a word its inner apostrophe (it's, O'Neil), as spaCy keeps them; each other non-space
+character is a word of its own (what spaCy's prefix and suffix rules do for English prose; "it's" is one word here
+and two in spaCy, and code splits finer here: spaCy keeps `f(x` whole).
 
 A document is removed by the first rule that fires, in FineWeb's order (repetition, quality, C4, FineWeb), with
 the rule's measure as its value. The stage removes documents and never rewrites one: datatrove's C4 filter also
@@ -35,8 +37,12 @@ from stages.corpus.langid import classify
 LINE_BREAK = "\r\n|[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]"  # what str.splitlines splits on
 OTHER_BREAK = "[\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]"
 SPACE = r"[\s\pZ]"
-# A word is a run of letters, digits and marks; any other visible character stands alone.
-PUNCT_ALONE = r"([^\pL\pN\pM\s\pZ])"
+# A word is a run of letters, digits and marks, and of the characters INNER protects; any other visible character
+# stands alone. INNER: (pattern, stand-in, character) - a character between two digits or two letters stays in its
+# word, held by a private-use stand-in while the others are split off (RE2 has no look-around).
+INNER = ((r"(\pN)\.(\pN)", "\ue000", "."), (r"(\pN),(\pN)", "\ue001", ","),
+         (r"(\pL)'(\pL)", "\ue002", "'"), ("(\\pL)\u2019(\\pL)", "\ue003", "\u2019"))
+PUNCT_ALONE = "([^\\pL\\pN\\pM\\s\\pZ\ue000-\ue003])"
 SYMBOL_ONLY = r"^[\pP$+<=>^`|~]+$"  # datatrove's PUNCTUATION: a word made only of these is not counted
 STOP_WORDS = ("the", "be", "to", "of", "and", "that", "have", "with")  # Rae et al. 2021, App. A.1.1
 C4_END = r"[.?!\"']$"
@@ -139,9 +145,16 @@ def _words(texts: pa.Array) -> Words:
     pieces = Parts.of(pc.utf8_split_whitespace(texts))
     encoded = pc.dictionary_encode(pieces.values)
     piece = _numpy(encoded.indices).astype(np.int64)
+    distinct = encoded.dictionary
+    for pattern, stand_in, _ in INNER:  # twice: a match consumes the digit after it ("1.2.3")
+        for _ in range(2):
+            distinct = pc.replace_substring_regex(distinct, pattern, rf"\1{stand_in}\2")
     # the pieces hold no white space: the spaces put around the characters that stand alone are the only ones
-    split = pc.split_pattern(pc.replace_substring_regex(encoded.dictionary, PUNCT_ALONE, r" \1 "), " ")
+    split = pc.split_pattern(pc.replace_substring_regex(distinct, PUNCT_ALONE, r" \1 "), " ")
     vocab = pc.dictionary_encode(split.values)
+    words = vocab.dictionary
+    for _, stand_in, char in INNER:
+        words = pc.replace_substring(words, stand_in, char)
     word = _numpy(vocab.indices).astype(np.int64)  # (S,) the words of the distinct pieces, in order
     offsets = _numpy(split.offsets).astype(np.int64)
     keep = _numpy(pc.utf8_length(vocab.dictionary))[word] > 0  # the empty strings between and after spaces
@@ -151,7 +164,7 @@ def _words(texts: pa.Array) -> Words:
     total = int(per.sum())
     ends = np.cumsum(per)
     at = np.repeat(offsets[piece] - ends + per, per) + np.arange(total)
-    return Words(vocab.dictionary, word[at], np.repeat(pieces.doc, per))
+    return Words(words, word[at], np.repeat(pieces.doc, per))
 
 
 def _first_seen(keys: pa.Array | np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -23,6 +23,10 @@ from core.corpus_filters import resolve
 from core.datasets import site_packages_file
 from stages.corpus import quality
 
+# A word as stages.corpus.quality reads one: letters and digits, with an inner "." or "," of a number and an inner
+# apostrophe of a word; else one character that is not a word character or space, or an underscore.
+WORD = r"(?:[^\W_]|(?<=\d)[.,](?=\d)|(?<=[^\W\d_])['’](?=[^\W\d_]))+|[^\w\s]|_"
+
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
@@ -104,7 +108,7 @@ def test_measures_equal_a_per_document_reading(changelogs, lee):
         nonempty = [s for s in text.split("\n") if s.strip()]
         assert m["fineweb_short_lines"][i] == pytest.approx(sum(len(s) <= 30 for s in nonempty) / len(nonempty))
         assert m["fineweb_dup_line_chars"][i] == pytest.approx(_dups(nonempty)[1] / len(text.replace("\n", "")))
-        words = re.findall(r"[^\W_]+|[^\w\s]|_", text)
+        words = re.findall(WORD, text)
         grams = Counter(" ".join(words[k:k + 2]) for k in range(len(words) - 1))
         top = max(grams.items(), key=lambda kv: kv[1])  # ties: Counter keeps the first seen
         assert m["gopher_top_2gram"][i] == pytest.approx(len(top[0]) * top[1] / len(text)), i
@@ -180,7 +184,7 @@ def _windows_of(text: str, n: int = 13) -> list[tuple[str, ...]]:
 def test_a_text_with_punctuation_or_space_at_its_edges_has_no_empty_words():
     text = "'The Cockettes provides a window into a subculture hell-bent on expressing itself in every way imaginable.'\n"
     m = quality.measure(_texts([text]), resolve(("all",)))
-    words = re.findall(r"[^\W_]+|[^\w\s]|_", text)
+    words = re.findall(WORD, text)
     assert m["gopher_alpha_words"][0] == pytest.approx(sum(any(c.isalpha() for c in w) for w in words) / len(words))
     first = " ".join(words[:4])  # every 4-gram occurs once: the first seen is the top one
     assert m["gopher_top_4gram"][0] == pytest.approx(len(first) / len(text))
@@ -209,6 +213,6 @@ def test_duplicated_ngrams_are_counted_as_datatrove_reads_them(changelogs, lee):
     docs = changelogs[:10] + lee[:10]  # changelogs repeat whole entries: copies jumped over, read again later
     m = quality.measure(_texts(docs), resolve(("gopher_repetition",)))
     for i, doc in enumerate(docs):
-        words = re.findall(r"[^\W_]+|[^\w\s]|_", doc)
+        words = re.findall(WORD, doc)
         for n in range(5, 11):
             assert m[f"gopher_dup_{n}gram"][i] == pytest.approx(_find_all_duplicate(words, n) / len(doc)), (i, n)
