@@ -21,6 +21,7 @@ import functools
 import hashlib
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from importlib import metadata
@@ -89,24 +90,30 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
+_FLUENT_URI = threading.RLock()
+
+
 @contextlib.contextmanager
 def _tracking_uri(uri: str):
     """Point the fluent API (which `log_model` and the sqlite registry use) at `uri` for a while, then restore it.
 
     set_tracking_uri also writes MLFLOW_TRACKING_URI, which `default_tracking_uri` reads: both the global and the
-    variable are put back exactly as they were (get_tracking_uri would turn "unset" into the default store)."""
+    variable are put back exactly as they were (get_tracking_uri would turn "unset" into the default store). Both
+    are one per process, so threads (the tasks of a suite, fine-tuned side by side) take turns."""
     from mlflow.tracking._tracking_service import utils
 
-    previous, previous_env = utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
-    mlflow.set_tracking_uri(uri)
-    try:
-        yield
-    finally:
-        mlflow.set_tracking_uri(previous)
-        if previous_env is None:
-            os.environ.pop("MLFLOW_TRACKING_URI", None)
-        else:
-            os.environ["MLFLOW_TRACKING_URI"] = previous_env
+    with _FLUENT_URI:
+        previous, previous_env = utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
+        mlflow.set_tracking_uri(uri)
+        try:
+            yield
+        finally:
+            mlflow.set_tracking_uri(previous)
+            if previous_env is None:
+                os.environ.pop("MLFLOW_TRACKING_URI", None)
+            else:
+                os.environ["MLFLOW_TRACKING_URI"] = previous_env
+
 
 
 def _hf_signature(task: str, columns: list[str], outputs: list[dict[str, Any]] | None):
