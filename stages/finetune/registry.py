@@ -95,8 +95,8 @@ ONNX_CHECK_ROWS = 64
 
 
 _EXPORTING = threading.Lock()
-"""torch.onnx's TorchScript exporter keeps its state (opset, "in export") in one module-level GLOBALS: one export at a time
-in a process whose threads fine-tune several tasks."""
+"""torch.onnx's TorchScript exporter keeps its state (opset, "in export") in one module-level GLOBALS: one export
+at a time in a process whose threads fine-tune several tasks."""
 
 
 def export_onnx(hf_dir: Path, onnx_dir: Path, dev_ids) -> str:

@@ -64,11 +64,12 @@ def trials_at_once(cfg: FinetuneConfig, cpus: int, gpus: int) -> int:
 
 
 def sweeps_at_once(cfg: FinetuneConfig, cpus: int, gpus: int) -> int:
-    """How many tasks' sweeps of a suite run side by side: enough that their trials (`max_concurrent_trials` each,
-    Tune's bound per sweep) fill the cluster's room (`trials_at_once`), plus one whose trials wait in Ray's queue
-    for the slots a sweep leaves while its driver prepares the data or exports and registers the champion, or
-    while its last trials finish. Ray's scheduler holds the suite to the room: a trial past it waits for a slot."""
-    return -(-trials_at_once(cfg, cpus, gpus) // cfg.max_concurrent_trials) + 1
+    """How many tasks' sweeps of a suite run side by side (`tasks_at_once`, else): enough that their trials
+    (`max_concurrent_trials` each, Tune's bound per sweep) fill the cluster's room (`trials_at_once`), plus one
+    whose trials wait in Ray's queue for the slots a sweep leaves while its driver prepares the data or exports and
+    registers the champion, or while its last trials finish. Ray's scheduler holds the suite to the room: a trial
+    past it waits for a slot."""
+    return cfg.tasks_at_once or -(-trials_at_once(cfg, cpus, gpus) // cfg.max_concurrent_trials) + 1
 
 
 def _existing_trial_runs(parent, experiment: str) -> dict[str, Any]:
