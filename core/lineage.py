@@ -336,7 +336,14 @@ class Lineage:
             ds = MetaDataset(source=src, name=f"{name}:{art_id}", digest=digest)
             entries.append(DatasetInput(ds._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", name)]))
         if entries:
-            tracker.client.log_inputs(tracker.run_id, datasets=entries)
+            with _LOGGING_INPUTS:
+                tracker.client.log_inputs(tracker.run_id, datasets=entries)
+
+
+_LOGGING_INPUTS = threading.Lock()
+"""MLflow's SQL store adds a dataset that is not in the experiment yet by looking, then inserting: stage runs opened
+at once from threads (a suite's tasks, all reading the same checkpoint) would both insert it, and one fail on the
+store's unique key. They log their inputs one at a time."""
 
 
 # ----------------------------------------------------------------------------------------------- registry -> disk
