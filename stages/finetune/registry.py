@@ -23,8 +23,17 @@ if TYPE_CHECKING:
 
 def plot_sweep(table, metric: str, baseline: float, path: Path, title: str, baseline_name: str = "majority baseline"
                ) -> None:
-    """Dev metric against learning rate, one line per (batch size, dropout); best warmup, mean over seeds. A Figure
-    of its own rather than pyplot's, whose current figure is one per process: a suite's tasks plot from threads."""
+    """Dev metric against learning rate, one line per (batch size, dropout); best warmup, mean over seeds. A suite's
+    tasks plot from threads, and matplotlib is not thread-safe (pyplot's current figure, mathtext's one parser of
+    tick labels): a Figure of its own, drawn under a lock."""
+    with _PLOTTING:
+        _plot_sweep(table, metric, baseline, path, title, baseline_name)
+
+
+_PLOTTING = threading.Lock()
+
+
+def _plot_sweep(table, metric: str, baseline: float, path: Path, title: str, baseline_name: str) -> None:
     from matplotlib.figure import Figure
 
     agg = table.groupby(["batch_size", "dropout", "lr", "warmup_steps"])[metric].mean().groupby(
