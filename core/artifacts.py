@@ -33,6 +33,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -374,32 +375,38 @@ def is_disk_full(exc: BaseException) -> bool:
     return False
 
 
-_WRITES: dict[str, Any] = {"root": None, "last": None, "hooked": False}
+_WRITES: dict[str, Any] = {"watchers": {}, "hooked": False}
+"""thread id -> [root, last file opened for writing under it] of each `watching_writes` open in that thread."""
 
 
 def _audit(event: str, args: tuple) -> None:
-    if event != "open" or _WRITES["root"] is None:
+    watchers = _WRITES["watchers"]
+    if event != "open" or not watchers:
         return
     path, _, flags = args
     if isinstance(path, (str, bytes, os.PathLike)) and flags & (os.O_WRONLY | os.O_RDWR):
         path = os.path.abspath(os.fsdecode(path))
-        if path.startswith(_WRITES["root"]):
-            _WRITES["last"] = path
+        own = watchers.get(threading.get_ident())  # a stage's own thread; a helper thread's write goes to every one
+        for watcher in [own] if own is not None else list(watchers.values()):
+            if path.startswith(watcher[0]):
+                watcher[1] = path
 
 
 @contextlib.contextmanager
 def watching_writes(root: Path) -> Iterator[Callable[[], str | None]]:
-    """Yield a function that returns the file under `root` this process last opened for writing, so a disk-full
-    error, which carries no file name when a write() fails, can name the file. Python's audit event "open" (PEP 578)
-    sees every open() and os.open() of this process; writes of C++ libraries and of Ray workers it does not see."""
+    """Yield a function that returns the file under `root` this thread (or a thread without a watch of its own) last
+    opened for writing, so a disk-full error, which carries no file name when a write() fails, can name the file;
+    stages running side by side in threads each see their own. Python's audit event "open" (PEP 578) sees every
+    open() and os.open() of this process; writes of C++ libraries and of Ray workers it does not see."""
     if not _WRITES["hooked"]:
         sys.addaudithook(_audit)  # a hook cannot be removed: installed once, idle outside this context
         _WRITES["hooked"] = True
-    _WRITES.update(root=str(Path(root).resolve()), last=None)
+    watcher = [str(Path(root).resolve()), None]
+    _WRITES["watchers"][threading.get_ident()] = watcher
     try:
-        yield lambda: _WRITES["last"]
+        yield lambda: watcher[1]
     finally:
-        _WRITES["root"] = None
+        _WRITES["watchers"].pop(threading.get_ident(), None)
 
 
 def _finish(tmp: Path, manifest: dict[str, Any]) -> None:

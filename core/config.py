@@ -469,7 +469,11 @@ class FinetuneConfig(Section):
     scheduler: str = "grid"
     """"grid": every combination to the end; "asha": asynchronous successive halving on the dev metric."""
     max_concurrent_trials: int = 2
-    """Trials run at once."""
+    """Trials of one task's sweep run at once (Tune's bound per sweep; the tasks of a suite run side by side, each
+    with this bound, and Ray holds them all to the cluster's CPUs and GPUs)."""
+    tasks_at_once: int = 0
+    """Tasks of a suite (`task=A,B,C`) fine-tuned side by side: 0 = as many as fill the cluster's room for trials
+    and one more (`stages.finetune.sweep.sweeps_at_once`); 1 = one after another; N = at most N."""
     trainer: str = "torch"
     """"torch": each trial is one plain-torch process (one GPU at most); "deepspeed": each trial is a Ray Train
     run of `workers_per_trial` DeepSpeed workers (data parallel, ZeRO `zero_stage`), for models one device
@@ -496,8 +500,9 @@ class FinetuneConfig(Section):
     a DeepSpeed trial's Ray Train run has none of its own, so a lost worker fails the trial and Tune restarts it).
     A torch trial resumes from its newest epoch checkpoint, a DeepSpeed trial from scratch; -1 retries forever."""
 
-    HOW: ClassVar[frozenset[str]] = frozenset({"task", "init", "max_concurrent_trials", "cpus_per_trial",
-                                               "max_failures", "compile", "activation_checkpointing"})
+    HOW: ClassVar[frozenset[str]] = frozenset({"task", "init", "max_concurrent_trials", "tasks_at_once",
+                                               "cpus_per_trial", "max_failures", "compile",
+                                               "activation_checkpointing"})
     """`task` and `init` name where the examples and the checkpoint come from; their own ids (digests) are the
     stage's inputs, so one checkpoint reached by two paths is one artifact."""
 
@@ -515,6 +520,8 @@ class FinetuneConfig(Section):
         _check(all(w >= 0 for w in self.warmup_steps),
                f"finetune.warmup_steps={_plain(self.warmup_steps)}: each must be >= 0")
         _positive("finetune", self, "epochs", "max_concurrent_trials")
+        _check(self.tasks_at_once >= 0, f"finetune.tasks_at_once={self.tasks_at_once}: must be >= 0 (0: as many as "
+                                        f"the cluster holds)")
         _check(self.max_seq_len >= 3, f"finetune.max_seq_len={self.max_seq_len}: needs room for [CLS], a token "
                                       f"and [SEP] (>= 3)")
         _check(self.doc_stride >= 0, f"finetune.doc_stride={self.doc_stride}: pieces of overlap, >= 0")

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from importlib import metadata
@@ -86,24 +87,30 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
+_FLUENT_URI = threading.RLock()
+
+
 @contextlib.contextmanager
 def fluent_tracking_uri(uri: str):
     """Point the fluent API (which `log_model` and the sqlite registry use) at `uri` for a while, then restore it.
 
     set_tracking_uri also writes MLFLOW_TRACKING_URI, which `default_tracking_uri` reads: both the global and the
-    variable are put back exactly as they were (get_tracking_uri would turn "unset" into the default store)."""
+    variable are put back exactly as they were (get_tracking_uri would turn "unset" into the default store). Both
+    are one per process, so threads (the tasks of a suite, fine-tuned side by side) take turns."""
     from mlflow.tracking._tracking_service import utils
 
-    previous, previous_env = utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
-    mlflow.set_tracking_uri(uri)
-    try:
-        yield
-    finally:
-        mlflow.set_tracking_uri(previous)
-        if previous_env is None:
-            os.environ.pop("MLFLOW_TRACKING_URI", None)
-        else:
-            os.environ["MLFLOW_TRACKING_URI"] = previous_env
+    with _FLUENT_URI:
+        previous, previous_env = utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
+        mlflow.set_tracking_uri(uri)
+        try:
+            yield
+        finally:
+            mlflow.set_tracking_uri(previous)
+            if previous_env is None:
+                os.environ.pop("MLFLOW_TRACKING_URI", None)
+            else:
+                os.environ["MLFLOW_TRACKING_URI"] = previous_env
+
 
 
 def _hf_signature(task: str, columns: list[str], outputs: list[dict[str, Any]] | None):
@@ -326,7 +333,14 @@ class Lineage:
             ds = MetaDataset(source=src, name=f"{name}:{art_id}", digest=digest)
             entries.append(DatasetInput(ds._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", name)]))
         if entries:
-            tracker.client.log_inputs(tracker.run_id, datasets=entries)
+            with _LOGGING_INPUTS:
+                tracker.client.log_inputs(tracker.run_id, datasets=entries)
+
+
+_LOGGING_INPUTS = threading.Lock()
+"""MLflow's SQL store adds a dataset that is not in the experiment yet by looking, then inserting: stage runs opened
+at once from threads (a suite's tasks, all reading the same checkpoint) would both insert it, and one fail on the
+store's unique key. They log their inputs one at a time."""
 
 
 # ----------------------------------------------------------------------------------------------- registry -> disk

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
+import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
@@ -79,6 +82,8 @@ class ClusterFit:
     """The plan's line about the cluster (`--dry-run` prints it)."""
     lacks: str = ""
     """Empty, or what is missing and the fix (a real run refuses with it before starting Ray)."""
+    size: tuple[int, int] | None = None
+    """(CPUs, GPUs) of that cluster; None for one joined later (RAY_ADDRESS)."""
 
 
 def local_gpus() -> int:
@@ -98,7 +103,7 @@ def cluster_fit(cfg: PipelineConfig, stages: list[str]) -> ClusterFit:
     if not memory.line:
         return fit
     lacks = "; ".join(x for x in (fit.lacks, memory.lacks) if x)
-    return ClusterFit(f"{fit.line}\n{memory.line}", lacks)
+    return ClusterFit(f"{fit.line}\n{memory.line}", lacks, fit.size)
 
 
 def gpu_memory_fit(cfg: PipelineConfig, stages: list[str]) -> ClusterFit:
@@ -138,8 +143,8 @@ def ray_fit(cfg: PipelineConfig, stages: list[str]) -> ClusterFit:
         check_cluster(cfg, stages, cpus=cpus, gpus=gpus)
     except ConfigError as e:
         lacks = f"{e} ({where}; to use a GPU cluster, run under `ray job submit` or set RAY_ADDRESS)"
-        return ClusterFit(f"{line}; it lacks what this plan needs: {lacks}", lacks)
-    return ClusterFit(line)
+        return ClusterFit(f"{line}; it lacks what this plan needs: {lacks}", lacks, (cpus, gpus))
+    return ClusterFit(line, size=(cpus, gpus))
 
 
 def _connect_ray(cfg: PipelineConfig, runs: list[PlannedStage], store: ArtifactStore) -> None:
@@ -302,19 +307,22 @@ def execute(cfg: PipelineConfig, plan: list[PlannedStage], objects: dict[str, An
                   f"{', '.join(gone) if gone else '(none)'}", flush=True)
     ids = {name: obj.id for name, obj in objects.items() if hasattr(obj, "id")}
     failed: set[str] = set()
-    for st in plan:
-        if failed & set(st.input_ids):  # its input failed: nothing to build it from
-            continue
-        refs = _input_refs(st, store, objects)
-        ids[st.spec.name] = st.artifact_id
-        tracker = lineage.stage_run(st.spec.name, st.artifact_id, st.config, _lineage_inputs(refs), st.cached)
-        if st.cached:
-            print(f"[{st.name}] cached: artifact {st.artifact_id} exists, skipping", flush=True)
-            tracker.end()
-            outcome.artifacts[st.name] = (st.artifact_id, "cached")
-        elif not _run_stage(cfg, st, refs, store, workdir, tracker, dict(ids), outcome):
-            # what does not read it still runs: the other tasks of a suite are independent of a failed one
-            failed.add(st.spec.name)
+    for group in _groups(plan):
+        group = [st for st in group if not failed & set(st.input_ids)]  # an input failed: nothing to build it from
+        for st in group:
+            if st.cached:
+                tracker = lineage.stage_run(st.spec.name, st.artifact_id, st.config,
+                                            _lineage_inputs(_input_refs(st, store, objects)), True)
+                print(f"[{st.name}] cached: artifact {st.artifact_id} exists, skipping", flush=True)
+                tracker.end()
+                outcome.artifacts[st.name] = (st.artifact_id, "cached")
+            ids[st.spec.name] = st.artifact_id
+        builds = [st for st in group if not st.cached]
+        build = functools.partial(_build, cfg, store=store, workdir=workdir, objects=objects, lineage=lineage,
+                                  ids=dict(ids), outcome=outcome)
+        # what does not read a failed stage still runs: the other tasks of a suite are independent of a failed one
+        failed |= {st.spec.name for st, ok in zip(builds, _side_by_side(cfg, builds, build)) if not ok}
+    _in_plan_order(outcome, plan)
     try:
         with tempfile.TemporaryDirectory(prefix="suite-") as scratch:  # logged on the parent run, nothing kept here
             outcome.table = suite.report(plan, objects, store, parent, cfg.preset, outcome, Path(scratch))
@@ -326,6 +334,65 @@ def execute(cfg: PipelineConfig, plan: list[PlannedStage], objects: dict[str, An
     with contextlib.suppress(Exception):  # _fail said it already if the store cannot be written
         parent.end("FAILED")
     return outcome
+
+
+def _build(cfg: PipelineConfig, st: PlannedStage, *, store: ArtifactStore, workdir: Path, objects: dict[str, Any],
+           lineage: Lineage, ids: dict[str, str], outcome: Outcome) -> bool:
+    """Open the stage's MLflow run and build its artifact (`_run_stage`); `ids`: the upstream artifacts' ids."""
+    refs = _input_refs(st, store, objects)
+    tracker = lineage.stage_run(st.spec.name, st.artifact_id, st.config, _lineage_inputs(refs), False)
+    return _run_stage(cfg, st, refs, store, workdir, tracker, {**ids, st.spec.name: st.artifact_id}, outcome)
+
+
+def _groups(plan: list[PlannedStage]) -> list[list[PlannedStage]]:
+    """The plan in order, the instances of one stage planned once per task (`one_of_several`) as one group."""
+    groups: list[list[PlannedStage]] = []
+    for st in plan:
+        if st.one_of_several and groups and groups[-1][0].one_of_several and groups[-1][0].spec is st.spec:
+            groups[-1].append(st)
+        else:
+            groups.append([st])
+    return groups
+
+
+def _side_by_side(cfg: PipelineConfig, builds: list[PlannedStage], build) -> list[bool]:
+    """`build` each instance, in this thread one after another, or - several instances of a stage that has
+    `side_by_side` - in threads, as many at once as it says the cluster holds. Returns each one's success.
+
+    Ctrl+C reaches the main thread only, and a Tune run in another thread installs no handler of its own: the run
+    then ends at once, as a killed driver does, and the next run resumes each unfinished instance (its locks are
+    taken over, its Tune experiment restored)."""
+    spec = builds[0].spec if builds else None
+    if len(builds) < 2 or spec.side_by_side is None:
+        return [build(st) for st in builds]
+    from cluster.ray_init import cluster_cpus, cluster_gpus
+
+    cpus, gpus = cluster_cpus(), cluster_gpus()
+    at_once = min(len(builds), spec.side_by_side(getattr(cfg, spec.sections[0]), cpus=cpus, gpus=gpus))
+    if at_once < 2:
+        return [build(st) for st in builds]
+    print(f"[{spec.name}] {len(builds)} to build, {at_once} at once on the cluster's {cpus} CPUs and {gpus} GPUs: "
+          f"{', '.join(st.name for st in builds)}", flush=True)
+    with concurrent.futures.ThreadPoolExecutor(at_once, thread_name_prefix=spec.name) as pool:
+        futures = [pool.submit(build, st) for st in builds]
+        try:
+            return [f.result() for f in futures]
+        except KeyboardInterrupt:
+            print(f"\ninterrupted: {spec.name} stopped at once (its threads cannot be interrupted); the next run "
+                  f"resumes what did not finish", file=sys.stderr, flush=True)
+            os._exit(130)
+
+
+def _in_plan_order(outcome: Outcome, plan: list[PlannedStage]) -> None:
+    """The outcome's artifacts and summary lines in plan order (instances built side by side finish in any order)."""
+    order = {st.name: i for i, st in enumerate(plan)}
+    outcome.artifacts = dict(sorted(outcome.artifacts.items(), key=lambda kv: order.get(kv[0], -1)))
+    tasks = {st.task: i for i, st in enumerate(plan) if st.one_of_several}  # a task's summary line: `<key>:<task>`
+    outcome.summary = dict(sorted(outcome.summary.items(), key=lambda kv: tasks.get(kv[0].partition(":")[2], -1)))
+
+
+_OUTCOME = threading.Lock()
+"""Stages built side by side (`_side_by_side`) record their outcome from their threads."""
 
 
 def _run_stage(cfg: PipelineConfig, st: PlannedStage, refs: dict[str, Any], store: ArtifactStore,
@@ -364,8 +431,9 @@ def _run_stage(cfg: PipelineConfig, st: PlannedStage, refs: dict[str, Any], stor
     tracker.log_metrics({**result.metrics, "stage_seconds": elapsed})
     tracker.set_tags({TAG_STATUS: "finished", **{f"pipeline.count.{k}": v for k, v in result.counts.items()}})
     tracker.end()
-    outcome.artifacts[st.name] = (st.artifact_id, "ran")
-    outcome.summary.update({f"{k}:{st.task}" if st.one_of_several else k: v for k, v in result.summary.items()})
+    with _OUTCOME:
+        outcome.artifacts[st.name] = (st.artifact_id, "ran")
+        outcome.summary.update({f"{k}:{st.task}" if st.one_of_several else k: v for k, v in result.summary.items()})
     print(f"[{st.name}] done in {elapsed:.0f}s: artifact {st.artifact_id}", flush=True)
     return True
 
@@ -377,11 +445,12 @@ def _fail(st: PlannedStage, tracker: Tracker, outcome: Outcome, message: str) ->
     except Exception as e:  # noqa: BLE001  (a full disk may hold the store too: the stage's error comes first)
         message += f" (its MLflow run could not be marked failed: {type(e).__name__}: {str(e)[:200]})"
     print(f"error: stage {st.name} failed: {message}", file=sys.stderr, flush=True)
-    outcome.ok = False
-    outcome.failed[st.name] = message
-    named = "; ".join(f"{name}: {m}" for name, m in outcome.failed.items())  # which task of a suite failed
-    outcome.error = (named if st.one_of_several else message) if len(outcome.failed) == 1 else \
-        f"{len(outcome.failed)} stages failed: {named}"
+    with _OUTCOME:
+        outcome.ok = False
+        outcome.failed[st.name] = message
+        named = "; ".join(f"{name}: {m}" for name, m in outcome.failed.items())  # which task of a suite failed
+        outcome.error = (named if st.one_of_several else message) if len(outcome.failed) == 1 else \
+            f"{len(outcome.failed)} stages failed: {named}"
     return False
 
 

@@ -44,6 +44,12 @@ class StageSpec:
     prepare: Callable[..., Prepared] | None = None
     """Optional `prepare(first_section, *, other_sections..., planned, workdir, overrides) -> Prepared`: what the
     stage's settings bring in from outside, resolved before Ray starts (stages/base.py)."""
+    side_by_side: Callable[..., int] | None = None
+    """Optional `side_by_side(first_section, *, cpus, gpus) -> int`: how many of the stage's instances (one per task
+    of `finetune.task=A,B,C`; they read the same inputs and not each other) run at once, each in a thread of the
+    driver, on a cluster of `cpus` CPUs and `gpus` GPUs; it also readies the process for that. None: one after
+    another. A stage that has it also gets, in its `dry_run`, `instances` (the inputs of each instance that will
+    run) and `cluster` ((cpus, gpus), or None when unknown before joining)."""
     tasks_use_paths: bool = False
     """The stage's Ray tasks, on any node, read its inputs and write its output by path (so with a workdir in object
     storage, the local side must be on every node: pipeline.executor checks it)."""
@@ -64,7 +70,8 @@ STAGES: tuple[StageSpec, ...] = (
     # the corpus: what the checkpoint read, against which the dev split's contamination is measured
     StageSpec("finetune", finetune.run, finetune.VERSION, ("finetune", "model"),
               ("pretrain", "vocab", "task", "corpus"),
-              "Ray Tune sweep over the Table 9 grid (+SiFT), champion in the MLflow registry", finetune.dry_run),
+              "Ray Tune sweep over the Table 9 grid (+SiFT), champion in the MLflow registry", finetune.dry_run,
+              side_by_side=finetune.side_by_side),
 )
 STAGE_NAMES = tuple(s.name for s in STAGES)
 FROM_CHECKPOINT_INPUTS = ("pretrain", "task")

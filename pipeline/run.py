@@ -450,8 +450,11 @@ def _plan_and_run(args: argparse.Namespace, scratch: Path | None) -> int:
         print(cluster.line)
         for st in {st.spec.name: st for st in plan}.values():  # a stage's plan on paper once, for all its tasks
             if st.spec.dry_run is not None:
+                several = {} if st.spec.side_by_side is None else {  # the instances that will run, and where
+                    "instances": [dry_run_inputs(s, store, objects) for s in plan if s.spec is st.spec and not s.cached],
+                    "cluster": cluster.size}
                 print(st.spec.dry_run(*[getattr(cfg, s) for s in st.spec.sections], inputs=dry_run_inputs(st, store,
-                                      objects), **{s: getattr(cfg, s) for s in st.spec.dry_run_reads}))
+                                      objects), **several, **{s: getattr(cfg, s) for s in st.spec.dry_run_reads}))
         return 0
     with claim(plan, store, workdir, take_foreign=args.break_lock):
         try:

@@ -31,14 +31,14 @@ from deberta.config import DebertaConfig
 from core.tokenizer import Tokenizer
 from core.errors import StageInputError
 from stages.base import StageContext, StageResult
-from stages.finetune import contamination
+from stages.finetune import contamination, estimates
 from stages.finetune.control import run_control
 from stages.finetune.data import ExternalCheckpoint, load_pretrained, prepare_data
 from stages.finetune.kinds.base import TaskRef
 from stages.finetune.tasks import task_list
 from stages.finetune.registry import _jsonable, export_hf, export_onnx, plot_sweep, register_champion, save_model
 from stages.finetune.sweep import (GRID_KEYS, _trial_runs_callback, best_checkpoint, champion_epoch, grid_size,
-                                   pick_champion, results_table, run_sweep, with_champion)
+                                   pick_champion, results_table, run_sweep, sweeps_at_once, with_champion)
 
 VERSION = "4"
 """Bumped when the stage's code changes what it writes (part of the artifact id)."""
@@ -49,17 +49,41 @@ def check_task(cfg: FinetuneConfig, task: TaskRef) -> None:
     task.kind.check(cfg, task)
 
 
-def dry_run(cfg: FinetuneConfig, model: DebertaConfig, inputs: dict | None = None) -> str:
-    """One line for `--dry-run`: the size of the sweep."""
+def dry_run(cfg: FinetuneConfig, model: DebertaConfig, inputs: dict | None = None,
+            instances: list[dict] | None = None, cluster: tuple[int, int] | None = None) -> str:
+    """`--dry-run`: the size of each task's sweep, then (`estimates.suite_lines`) the trials of the tasks that will
+    be fine-tuned (`instances`: their inputs), how many run at once on `cluster` ((CPUs, GPUs)) and the time."""
     grid = " x ".join(f"{k}{list(getattr(cfg, k))}" for k in (*GRID_KEYS, "seeds"))
     trainer = ("one torch process" if cfg.trainer == "torch" else
                f"{cfg.workers_per_trial} DeepSpeed ZeRO-{cfg.zero_stage} workers") + (" on GPUs" if cfg.use_gpu else "")
     tasks = task_list(cfg.task)
     what = (f"task {cfg.task}, {grid_size(cfg)} trials" if len(tasks) == 1 else
             f"{len(tasks)} tasks ({', '.join(tasks)}), {grid_size(cfg)} trials each, {len(tasks) * grid_size(cfg)} "
-            f"in the suite, one task's sweep after another")
-    return (f"finetune: {what} ({grid}), <= {cfg.epochs} epochs each, "
-            f"scheduler {cfg.scheduler}, {cfg.max_concurrent_trials} at once, {trainer} per trial, sift={cfg.sift}")
+            f"in the suite, the tasks' sweeps side by side")
+    line = (f"finetune: {what} ({grid}), <= {cfg.epochs} epochs each, scheduler {cfg.scheduler}, "
+            f"{cfg.max_concurrent_trials} at once per task, {trainer} per trial, sift={cfg.sift}")
+    building = [i["task"] for i in instances or () if isinstance(i.get("task"), TaskRef)]
+    if not building:
+        return line
+    return "\n".join([line, *estimates.suite_lines(cfg, model, building, len(tasks) - len(building), cluster)])
+
+
+WARM_IMPORTS = ("ray.tune", "ray.tune.schedulers", "stages.finetune.trial", "deberta.hf", "deberta.onnx_export",
+                "transformers.models.deberta_v2.modeling_deberta_v2", "transformers.convert_slow_tokenizer",
+                "onnxruntime", "matplotlib.figure", "mlflow.models", "safetensors.torch")
+"""What a task's sweep imports on its way, imported once before the suite's threads start: two threads importing
+one package for the first time may each see the other's modules half-initialised (torch's and transformers'
+imports run into each other)."""
+
+
+def side_by_side(cfg: FinetuneConfig, *, cpus: int, gpus: int) -> int:
+    """How many tasks of a suite the executor fine-tunes at once (`sweep.sweeps_at_once`), in threads of the driver,
+    after the imports their threads would otherwise race on."""
+    import importlib
+
+    for name in WARM_IMPORTS:
+        importlib.import_module(name)
+    return sweeps_at_once(cfg, cpus, gpus)
 
 
 def run(cfg: FinetuneConfig, *, model: DebertaConfig, inputs: dict[str, Any], out: Path,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,15 +23,23 @@ if TYPE_CHECKING:
 
 def plot_sweep(table, metric: str, baseline: float, path: Path, title: str, baseline_name: str = "majority baseline"
                ) -> None:
-    """Dev metric against learning rate, one line per (batch size, dropout); best warmup, mean over seeds."""
-    import matplotlib
+    """Dev metric against learning rate, one line per (batch size, dropout); best warmup, mean over seeds. A suite's
+    tasks plot from threads, and matplotlib is not thread-safe (pyplot's current figure, mathtext's one parser of
+    tick labels): a Figure of its own, drawn under a lock."""
+    with _PLOTTING:
+        _plot_sweep(table, metric, baseline, path, title, baseline_name)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+_PLOTTING = threading.Lock()
+
+
+def _plot_sweep(table, metric: str, baseline: float, path: Path, title: str, baseline_name: str) -> None:
+    from matplotlib.figure import Figure
 
     agg = table.groupby(["batch_size", "dropout", "lr", "warmup_steps"])[metric].mean().groupby(
         level=["batch_size", "dropout", "lr"]).max()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.add_subplot()
     for (bs, dropout), line in agg.groupby(level=["batch_size", "dropout"]):
         lrs = line.index.get_level_values("lr")
         ax.plot(lrs, line.values, marker="o", label=f"batch {bs}, dropout {dropout:g}")
@@ -42,7 +51,6 @@ def plot_sweep(table, metric: str, baseline: float, path: Path, title: str, base
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def save_model(dst: Path, checkpoint_dir: Path, setup: "TrialSetup", task: TaskRef, tok_dir: Path,
@@ -95,6 +103,11 @@ ONNX_CHECK_ROWS = 64
 """Dev rows the ONNX export is checked on against torch before it goes into the registry version."""
 
 
+_EXPORTING = threading.Lock()
+"""torch.onnx's TorchScript exporter keeps its state (opset, "in export") in one module-level GLOBALS: one export
+at a time in a process whose threads fine-tune several tasks."""
+
+
 def export_onnx(hf_dir: Path, onnx_dir: Path, dev_ids) -> str:
     """onnx_dir/model.onnx: the champion for onnxruntime (`deberta.onnx_export`), its logits checked against torch's
     on the first dev rows, at their own width and at a narrower one (the traced graph holds at any length). Returns
@@ -111,7 +124,8 @@ def export_onnx(hf_dir: Path, onnx_dir: Path, dev_ids) -> str:
     narrow = max(1, width // 2)
     batches = (rows[..., :width], rows[:8, ..., :narrow])
     try:
-        path = onnx_export.export(hf_dir, onnx_dir)
+        with _EXPORTING:
+            path = onnx_export.export(hf_dir, onnx_dir)
         diff = onnx_export.check(hf_dir, path, *batches)
     except ValueError as e:
         shutil.rmtree(onnx_dir, ignore_errors=True)

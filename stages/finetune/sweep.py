@@ -19,13 +19,14 @@ import fnmatch
 import math
 import os
 import pickletools
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from core.config import FinetuneConfig
+from core.config import FinetuneConfig, trial_workers
 from core.storage import join
 from stages.finetune.data import Encoded
 from training.checkpoint_files import CUT_SHORT, move_dir, set_aside_if_cut_short, storage_fs
@@ -50,6 +51,25 @@ def param_space(cfg: FinetuneConfig) -> dict[str, Any]:
 
 def grid_size(cfg: FinetuneConfig) -> int:
     return math.prod(len(getattr(cfg, k)) for k in (*GRID_KEYS, "seeds"))
+
+
+def trials_at_once(cfg: FinetuneConfig, cpus: int, gpus: int) -> int:
+    """How many trials a cluster of `cpus` CPUs and `gpus` GPUs holds at once (at least 1): each takes
+    `cpus_per_trial` CPUs per process, and a GPU per process with `use_gpu`."""
+    workers = trial_workers(cfg)
+    room = cpus // (cfg.cpus_per_trial * workers)
+    if cfg.use_gpu:
+        room = min(room, gpus // workers)
+    return max(1, room)
+
+
+def sweeps_at_once(cfg: FinetuneConfig, cpus: int, gpus: int) -> int:
+    """How many tasks' sweeps of a suite run side by side (`tasks_at_once`, else): enough that their trials
+    (`max_concurrent_trials` each, Tune's bound per sweep) fill the cluster's room (`trials_at_once`), plus one
+    whose trials wait in Ray's queue for the slots a sweep leaves while its driver prepares the data or exports and
+    registers the champion, or while its last trials finish. Ray's scheduler holds the suite to the room: a trial
+    past it waits for a slot."""
+    return cfg.tasks_at_once or -(-trials_at_once(cfg, cpus, gpus) // cfg.max_concurrent_trials) + 1
 
 
 def _existing_trial_runs(parent, experiment: str) -> dict[str, Any]:
@@ -221,7 +241,7 @@ def run_sweep(cfg: FinetuneConfig, setup: "TrialSetup", data: tuple[Encoded, Enc
         checkpoint_config=tune.CheckpointConfig(num_to_keep=1, checkpoint_score_attribute=metric,
                                                 checkpoint_score_order="max"),
         failure_config=tune.FailureConfig(max_failures=cfg.max_failures))
-    trainable = tune.with_resources(trainable, resources)
+    trainable = _registered(tune.with_resources(trainable, resources), name)
     experiment = f"{storage_path.rstrip('/')}/{name}"
     if prepare_restore(experiment):
         print(f"[finetune] resuming the Tune experiment {experiment} of an earlier attempt: its finished trials "
@@ -241,6 +261,21 @@ def run_sweep(cfg: FinetuneConfig, setup: "TrialSetup", data: tuple[Encoded, Enc
     if errors:
         raise RuntimeError(f"{len(errors)} of {len(grid)} trials failed; first error: {errors[0]}")
     return grid
+
+
+_REGISTERING = threading.Lock()
+
+
+def _registered(trainable, name: str) -> str:
+    """Register the sweep's trainable under its experiment's name and return the name, which Tune accepts for the
+    trainable. Tune would register it under its function's name (`torch_trial`) in one registry per Ray job, read
+    when each trial starts: two sweeps of one driver (the tasks of a suite, side by side) would run each other's
+    trials, on each other's data. The registry's write is not safe from two threads at once, hence the lock."""
+    from ray import tune
+
+    with _REGISTERING:
+        tune.register_trainable(name, trainable)
+    return name
 
 
 def results_table(grid, metric: str):

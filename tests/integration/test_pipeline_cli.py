@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -389,6 +390,11 @@ def test_a_suite_of_tasks_from_the_pretrained_registry_version(continued_mlm, ml
         tolerance = 1e-4 if task_ref.problem == "regression" else 1e-6
         assert served == pytest.approx(float(mv.tags[f"dev_{task_ref.metric}"]), abs=tolerance), task
     assert res.stdout.count("; dev contamination: unknown") == len(SUITE), res.stdout[-3000:]
+    # the sweeps share the cluster: the tasks' stage runs (each its sweep and export) overlap in time; one after
+    # another they would not. (Their one-trial sweeps' trials last about 2 s: too short to overlap reliably.)
+    spans = {task: (stage_runs[art].info.start_time, stage_runs[art].info.end_time) for task, (art, _) in ran.items()}
+    assert any(spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]
+               for a, b in itertools.combinations(SUITE, 2)), spans
     parent = _parent_id(res.stdout)
     table = json.loads(Path(client.download_artifacts(parent, "suite.json", str(tmp_path))).read_text())
     rows = {r["task"]: r for r in table["rows"]}

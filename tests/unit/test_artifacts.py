@@ -168,3 +168,21 @@ def test_a_full_disk_is_recognised_and_named(tmp_path):
         (tmp_path / "sample.txt").read_text()  # reading is not writing
         open("/dev/null", "w").close()  # outside the root
         assert last_written() == str(tmp_path / "sample.txt")
+
+    # stages built side by side in threads each name their own file
+    import threading
+
+    seen, wrote = {}, threading.Barrier(2)
+
+    def stage(name: str) -> None:
+        with watching_writes(tmp_path) as last:
+            (tmp_path / name).write_text("x")
+            wrote.wait()  # both have written before either looks
+            seen[name] = last()
+
+    threads = [threading.Thread(target=stage, args=(n,)) for n in ("a.txt", "b.txt")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {n: str(tmp_path / n) for n in ("a.txt", "b.txt")}

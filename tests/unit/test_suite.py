@@ -111,3 +111,35 @@ def test_compare_refuses_bad_input_in_one_line(store_with_a_run, monkeypatch, ca
         rc = compare.main([*argv, *(["--workdir", str(wd)] if "--workdir" not in argv else [])])
         err = capsys.readouterr().err.strip().splitlines()
         assert rc == 2 and len(err) == 1 and err[0].startswith("error: ") and fragment in err[0], (argv, err)
+
+
+def test_the_tasks_sweeps_side_by_side_and_the_dry_runs_time(tmp_path):
+    """As many sweeps side by side as fill the cluster's trial slots, plus one; `tasks_at_once` caps them without
+    changing an artifact id; the dry run's time is the trials' work over the trials at once plus each task's own
+    seconds over the sweeps side by side, and unknown for trials the bench did not measure."""
+    from stages.finetune import estimates
+    from stages.finetune.sweep import sweeps_at_once, trials_at_once
+    from stages.finetune.tasks import resolve_task
+
+    cfg = PRESETS["debug"]()
+    ft = cfg.finetune  # 2 trials at once per sweep, 1 CPU each
+    assert (trials_at_once(ft, 4, 0), sweeps_at_once(ft, 4, 0), sweeps_at_once(ft, 2, 0)) == (4, 3, 2)
+    gpu = apply_overrides(cfg, ["finetune.use_gpu=true"]).finetune
+    assert (trials_at_once(gpu, 16, 1), sweeps_at_once(gpu, 16, 1)) == (1, 2)
+    one = apply_overrides(cfg, ["finetune.tasks_at_once=1"])
+    assert sweeps_at_once(one.finetune, 4, 0) == 1
+    ids = {"raw": "r1", task_key("a"): "t1", task_key("b"): "t2"}
+    store = ArtifactStore(tmp_path)
+    assert [s.artifact_id for s in make_plan(one, store, ids)] == [s.artifact_id for s in make_plan(cfg, store, ids)]
+
+    tasks = [resolve_task("lee-sts"), resolve_task("wnut16-ner")]
+    basis = {"trial_s_per_example_epoch": 0.01, "task_s": 20.0}
+    work = sum(4 * ft.epochs * estimates.examples(t, ft) for t in tasks) * 0.01
+    assert estimates.seconds(ft, tasks, 4, 0, basis, at_once=1) == pytest.approx(work / 2 + 2 * 20.0)
+    assert estimates.seconds(ft, tasks, 4, 0, basis) == pytest.approx(work / 4 + 20.0)
+    lines = estimates.suite_lines(ft, cfg.model, tasks, 1, (4, 0))
+    assert lines[0].startswith("  suite: 8 trials in 2 tasks to fine-tune (1 cached); on 4 CPUs and 0 GPUs 4 trials")
+    assert lines[-1].startswith("  time: about "), lines
+    other = PRESETS["cpu-small"]()
+    assert "time: unknown for these trials" in estimates.suite_lines(other.finetune, other.model, tasks, 0, (4, 0))[-1]
+    assert "not estimated" in estimates.suite_lines(ft, cfg.model, tasks, 0, None)[0]
