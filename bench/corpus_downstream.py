@@ -21,7 +21,8 @@ read order): `python -m pipeline.run --preset debug --until pretrain` for `--ste
 tokens: the same tokens for both settings) with the probes of `bench.probes` (tweet-names and rotten-400, 200 labels,
 the preset's probe grid, probe seeds `--probe-seeds`), probed at step 0 and the last step. A task's figure of a
 setting is the mean over every (pretraining seed, probe seed) of the probe's chosen grid point, with its spread
-(sample std) over them; the spread over the pretraining seeds' means is kept too. A difference of the last step's
+(sample std) over them; the spread over the pretraining seeds' means is kept too, and the gain (last step minus step
+0, per pretraining seed: step 0 differs between the settings only by the vocabulary each corpus trains). A difference of the last step's
 means within the larger of the two settings' spreads is "no measurable effect".
 
     unshare --net sh -c 'ip link set lo up && nice -n 10 .venv/bin/python -m bench.corpus_downstream'
@@ -268,6 +269,10 @@ def main(argv=None) -> int:
              "baseline_name": ledger["baseline_name"]}
         for setting in SETTINGS:
             t[setting] = {step: pooled(settings[setting]["runs"], name, step) for step in ("step0", "last")}
+        for setting in SETTINGS:  # what pretraining added: last step minus step 0, per pretraining seed
+            gains = [r["probes"][name]["last"]["mean"] - r["probes"][name]["step0"]["mean"]
+                     for r in settings[setting]["runs"].values()]
+            t[setting]["gain"] = {"mean": round(float(np.mean(gains)), 4), "per_seed": [round(g, 4) for g in gains]}
         t["last"] = verdict(t["off"]["last"], t["on"]["last"])
         t["step0"] = verdict(t["off"]["step0"], t["on"]["step0"])
         tasks[name] = t
@@ -297,6 +302,7 @@ def main(argv=None) -> int:
         for step, n in (("step0", 0), ("last", args.steps)):
             lines.append(f"{name:<12} {n:>5} {t['off'][step]['mean']:>8.4f} ± {t['off'][step]['std']:.4f} "
                          f"{t['on'][step]['mean']:>8.4f} ± {t['on'][step]['std']:.4f}  {t[step]['verdict']}")
+        lines.append(f"{name:<12} {'gain':>5} {t['off']['gain']['mean']:>+17.4f} {t['on']['gain']['mean']:>+17.4f}")
     emit(report, args.json, "\n".join(lines))
     return 0
 
