@@ -10,11 +10,12 @@ from installed packages at about as many characters as the news (so about half t
 each in proportion to its tokens, and the corpus report counts removals per rule x source (per kind: `write_corpus`).
 
 The settings: "off" (no filter: what the debug preset runs) and "on", chosen so that it removes the junk and not the
-news: `corpus.languages=en` and the rules that leave the news alone (`ON`). The published `all` removes 64% of the
+news: `corpus.languages=en` and the rules that leave the news alone (`ON`). The published `all` removes most of the
 news articles (a title line and the article as one line: C4's sentence count and FineWeb's line punctuation see two
-lines without a full stop; Gopher's alphabetic-word share at 0.8 sees 14% of the articles below it, since a number or
-a dash is a word without a letter), so `all` would measure the loss of the news, not the removal of the junk.
-Gopher's alphabetic-word share at 0.7 is below 99% of the news articles and above 99% of the code and markup pieces.
+lines without a full stop; Gopher's alphabetic-word share at 0.8 removes articles dense in numbers and dashes, words
+without a letter), so `all` would measure the loss of the news, not the removal of the junk. Gopher's
+alphabetic-word share at 0.7 keeps nearly every news article and removes nearly every code and markup piece (the
+corpus report's counts per rule are in the result file).
 
 For each setting and each pretraining seed (`--seeds`: `pretrain.seed`, which draws the initial weights and the
 read order): `python -m pipeline.run --preset debug --until pretrain` for `--steps` steps (steps x 16 sequences x 128
