@@ -183,9 +183,7 @@ def one_run(args, workdir: Path, seed: int, tasks: list[str]) -> dict:
         out["probes"][name] = {
             step: {"mean": ledger[str(s)][name]["mean"], "std": ledger[str(s)][name]["std"],
                    "lr": ledger[str(s)][name]["lr"], "per_seed": list(ledger[str(s)][name]["per_seed"].values()),
-                   "failed": len(ledger[str(s)][name]["failed"]), "metric": ledger[str(s)][name]["metric"],
-                   **({"dev_contamination": ledger[str(s)][name]["dev_contamination"]}
-                      if "dev_contamination" in ledger[str(s)][name] else {})}
+                   "failed": len(ledger[str(s)][name]["failed"]), "metric": ledger[str(s)][name]["metric"]}
             for step, s in (("step0", 0), ("last", args.steps))}
     return out
 
