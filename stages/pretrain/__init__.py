@@ -181,7 +181,8 @@ def run(cfg: PretrainConfig, *, model: DebertaConfig, inputs: dict[str, Artifact
     set_aside_cut_short_snapshot(job.run_dir)
     ctx.tracker.log_dict({"deepspeed": ds_config.to_dict(), "seq_len": seq_len}, "deepspeed_config.json")
     probes = Probes(cfg, job.objective, resolve_probes(cfg, Path(ctx.workdir)), job.run_dir, ctx.tracker, ds_config,
-                    Path(inputs["vocab"].path), model, init_file) if cfg.probes else None
+                    Path(inputs["vocab"].path), model, init_file, inputs.get("corpus"), Path(ctx.workdir)) \
+        if cfg.probes else None
     started = time.time()
     watching = start_watching(probes) if probes else None  # a thread beside fit(): checkpoints -> probe trials
     try:

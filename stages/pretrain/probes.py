@@ -22,6 +22,14 @@ put in the object store for the trials. A finished (step, task) is recorded in `
 directory (written to a temporary name, then renamed): a restarted stage logs it again into the plot but never
 re-probes it. A probe still running when the driver dies is run again if its checkpoint is still kept.
 
+Each probe task's dev split is measured against the run's corpus artifact as the finetune stage measures its own
+(`stages.finetune.contamination`: the dev examples sharing a 13-gram with the corpus's train shards, cached per corpus
+artifact and task, so a probe and a sweep of the same task read one figure): logged once the trials are in as the
+param `probe.<task>.dev_contamination` (e.g. "12 of 1,409 (0.9%)") and the metric
+`probe.<task>.dev_contamination_fraction`, written to the stage's probes.json and named in the summary line. A
+continued run's starting checkpoint read a corpus this run does not have: its share of the figure is unknown, and
+the figure says so.
+
 `plot` draws each probe's metric against the step with the task's baseline (the kind's `baseline`: the rule a
 practitioner tries first) and any collapsed seed, the validation loss on a second axis (probes.png).
 """
@@ -226,6 +234,10 @@ class Probes:
     tok_dir: Path
     model: Any
     init_file: str = ""
+    corpus: Any = None
+    """The corpus artifact the run pretrains on (None: no corpus input, the contamination is "unknown")."""
+    workdir: Path | None = None
+    """Where the contamination figures are cached (`stages.finetune.contamination.CACHE`)."""
     ledger: dict[int, dict[str, Any]] = field(default_factory=dict)
     pending: dict[Any, tuple[int, str, float, int]] = field(default_factory=dict)
     """Ray object ref -> (step, task, lr, seed)."""
@@ -237,6 +249,8 @@ class Probes:
     baselines: dict[str, tuple[float, str]] = field(default_factory=dict)
     """task -> the kind's baseline (value, what it is): the collapse rule's floor and the plot's line."""
     notes: list[str] = field(default_factory=list)
+    contamination: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """task -> its dev split's contamination against `corpus` (`stages.finetune.contamination.measure`)."""
 
     def start(self) -> None:
         """Encode each task once (the run's vocabulary), read the ledger, log what it holds, probe step 0."""
@@ -367,10 +381,29 @@ class Probes:
             self.submit(final_step, backbone(self.objective, final_state))
         while self.pending:
             self.collect(timeout=5)
+        self.measure_contamination()
         missing = sorted(set(probe_steps(self.cfg)) - set(self.ledger))
         if missing:
             print(f"[pretrain] probes of steps {missing} were not run: their checkpoints were gone before the driver "
                   f"read them (raise pretrain.ckpt_interval, or see {self.notes[-1:] or 'the log'})", flush=True)
+
+
+    def measure_contamination(self) -> None:
+        """Each task's dev contamination against the run's corpus, logged as the probe's param and metric."""
+        from stages.finetune import contamination
+
+        for task in self.tasks:
+            found = contamination.measure(self.corpus, task, self.workdir or Path("."))
+            if self.init_file and found["figure"] != contamination.UNKNOWN:
+                found = {**found, "figure": f"{found['figure']} of this run's corpus, "
+                                            f"{contamination.UNKNOWN} for the checkpoint it continues"}
+            self.contamination[task.name] = found
+            key = f"probe.{task.name}.dev_contamination"
+            self.tracker.log_params({key: found["figure"]})
+            if "fraction" in found:
+                self.tracker.log_metrics({f"{key}_fraction": found["fraction"]})
+            print(f"[pretrain] probe {task.name}: dev contamination {found['figure']} (dev examples sharing a "
+                  f"13-gram with the pretraining corpus)", flush=True)
 
 
 def start_watching(probes: Probes) -> tuple[threading.Thread, threading.Event]:
@@ -426,14 +459,16 @@ def plot(ledger: dict[int, dict[str, Any]], val_loss: list[tuple[int, float]], p
     return labels
 
 
-def summary_line(ledger: dict[int, dict[str, Any]]) -> str:
-    """`make run`'s summary: each probe from step 0 to the last step probed."""
+def summary_line(ledger: dict[int, dict[str, Any]], contamination: dict[str, dict[str, Any]] | None = None) -> str:
+    """`make run`'s summary: each probe from step 0 to the last step probed, and its dev contamination."""
     parts = []
     for name in sorted({n for r in ledger.values() for n in r}):
         steps = sorted(s for s in ledger if name in ledger[s])
         first, last = ledger[steps[0]][name], ledger[steps[-1]][name]
+        found = (contamination or {}).get(name)
         parts.append(f"{name} {first['metric']} {first['mean']:.3f} (step {steps[0]}) -> {last['mean']:.3f} ± "
-                     f"{last['std']:.3f} (step {steps[-1]})")
+                     f"{last['std']:.3f} (step {steps[-1]})"
+                     + (f", dev contamination: {found['figure']}" if found else ""))
     return "; ".join(parts) + " (probes.png)"
 
 
@@ -446,6 +481,7 @@ def with_probes(result, probes: Probes, out: Path, ctx) -> Any:
          probes.objective.loss_label)
     ctx.tracker.log_artifact(out / "probes.png")
     (out / LEDGER).write_text(json.dumps({"steps": {str(k): probes.ledger[k] for k in sorted(probes.ledger)},
-                                          "val_loss": {str(s): v for s, v in sorted(dict(val_loss).items())}},
+                                          "val_loss": {str(s): v for s, v in sorted(dict(val_loss).items())},
+                                          "dev_contamination": probes.contamination},
                                          indent=1, sort_keys=True) + "\n")
-    return replace(result, summary={**result.summary, "probes": summary_line(probes.ledger)})
+    return replace(result, summary={**result.summary, "probes": summary_line(probes.ledger, probes.contamination)})

@@ -474,12 +474,18 @@ def test_zero3_survives_worker_loss_and_stage_restart(ray_cluster_2_nodes, s3_se
     one before (not step 0). Every re-run step repeats its first loss: model, optimizer, scheduler and data
     position were all restored.
     Probes on (a token task directory of 48 real tweets): logged at step 0 and 60, each once - the first
-    driver is stopped after finishing step 0's, and the restarted stage does not probe it again - with the plot."""
+    driver is stopped after finishing step 0's, and the restarted stage does not probe it again - with the plot,
+    and with the dev contamination of a planted corpus sentence."""
     from bench.served import tweet_names_dir
 
     # 60 steps: a step takes ~0.2 s here, and Ray Train registers a checkpoint in the bucket a few seconds after the
     # workers report it; at 30 a run under load could finish before the test saw the checkpoint it waits for
     probe_task = tweet_names_dir(tmp_path, train=48, dev=48)
+    # the first dev tweet replaced by the last 20 words of a document the run pretrains on: the probe must report
+    # 1 of 48 dev examples as read in pretraining (measured against the corpus artifact, not assumed clean)
+    planted = pq.read_table(Path(tokens["corpus"].path) / "train", columns=["text"]).column("text")[0].as_py().split()
+    dev = (probe_task / "dev.conll").read_text().split("\n\n")
+    (probe_task / "dev.conll").write_text("\n\n".join(["\n".join(f"{w}\tO" for w in planted[-20:]), *dev[1:]]))
     # with DeepSpeed's CPU offload of optimizer and parameters, and every 2nd layer checkpointed: neither changes a
     # loss (tests/unit/test_checkpointing.py), so every re-run step still repeats its first loss
     cfg = replace(BASE, zero_stage=3, max_steps=60, ckpt_interval=6, eval_interval=30, max_failures=1,
@@ -556,6 +562,11 @@ def test_zero3_survives_worker_loss_and_stage_restart(ray_cluster_2_nodes, s3_se
     assert (out / "probes.png").stat().st_size > 1000 and "probes.png" in {
         f.path for f in tracker.client.list_artifacts(tracker.run_id)}
     assert result.summary["probes"].startswith("tweet-names f1 ")
+    assert "dev contamination: 1 of 48 (2.1%)" in result.summary["probes"], result.summary["probes"]
+    logged = tracker.client.get_run(tracker.run_id).data
+    assert logged.params["probe.tweet-names.dev_contamination"] == "1 of 48 (2.1%)"
+    assert logged.metrics["probe.tweet-names.dev_contamination_fraction"] == pytest.approx(1 / 48)
+    assert json.loads((out / "probes.json").read_text())["dev_contamination"]["tweet-names"]["contaminated"] == 1
     last = f"{checkpoints(storage, 'z3')[-1]}/step{cfg.max_steps}"
     assert len([i for i in storage.ls(last) if i.base_name.endswith("_mp_rank_00_model_states.pt")]) == 2  # sharded
 

@@ -96,3 +96,5 @@ def test_the_plot_has_each_probe_its_baseline_its_collapsed_seeds_and_the_loss(t
     assert sorted(labels) == ["t collapsed seeds (not in the mean)", "t dev f1", "t majority baseline",
                               "validation loss"]
     assert probes.summary_line(ledger) == "t f1 0.500 (step 0) -> 0.700 ± 0.010 (step 2000) (probes.png)"
+    assert probes.summary_line(ledger, {"t": {"figure": "3 of 48 (6.2%)"}}) == \
+        "t f1 0.500 (step 0) -> 0.700 ± 0.010 (step 2000), dev contamination: 3 of 48 (6.2%) (probes.png)"
