@@ -214,13 +214,10 @@ def _our_words(text: str) -> list[str]:
     """`stages.corpus.quality`'s word splitter on one text, in Python."""
     import regex
 
-    from stages.corpus.quality import INNER, PUNCT_ALONE
+    from stages.corpus.quality import HOLD, PUNCT_ALONE, hold_inner
 
-    for pattern, stand_in, _ in INNER:
-        for _ in range(2):
-            text = regex.sub(pattern, rf"\1{stand_in}\2", text)
-    words = regex.sub(PUNCT_ALONE, r" \1 ", text).split()
-    for _, stand_in, char in INNER:
+    words = regex.sub(PUNCT_ALONE, r" \1 ", hold_inner(text)).split()
+    for char, stand_in in HOLD.items():
         words = [w.replace(stand_in, char) for w in words]
     return words
 

@@ -23,6 +23,7 @@ numpy, to its answers.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -37,11 +38,12 @@ from stages.corpus.langid import classify
 LINE_BREAK = "\r\n|[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]"  # what str.splitlines splits on
 OTHER_BREAK = "[\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]"
 SPACE = r"[\s\pZ]"
-# A word is a run of letters, digits and marks, and of the characters INNER protects; any other visible character
-# stands alone. INNER: (pattern, stand-in, character) - a character between two digits or two letters stays in its
-# word, held by a private-use stand-in while the others are split off (RE2 has no look-around).
-INNER = ((r"(\pN)\.(\pN)", "\ue000", "."), (r"(\pN),(\pN)", "\ue001", ","),
-         (r"(\pL)'(\pL)", "\ue002", "'"), ("(\\pL)\u2019(\\pL)", "\ue003", "\u2019"))
+# A word is a run of letters, digits and marks, and of an inner character (a "." or "," between two digits, an
+# apostrophe between two letters); any other visible character stands alone. RE2 has no look-around: an inner
+# character is held by a private-use stand-in (HOLD) while the others are split off, then put back.
+HOLD = {".": "\ue000", ",": "\ue001", "'": "\ue002", "\u2019": "\ue003"}
+INNER = re.compile(r"(?<=\d)[.,](?=\d)|(?<=[^\W\d_])['\u2019](?=[^\W\d_])")
+INNER_ANY = "\\pN[.,]\\pN|\\pL['\u2019]\\pL"  # the same, in RE2, to find the few pieces INNER rewrites
 PUNCT_ALONE = "([^\\pL\\pN\\pM\\s\\pZ\ue000-\ue003])"
 SYMBOL_ONLY = r"^[\pP$+<=>^`|~]+$"  # datatrove's PUNCTUATION: a word made only of these is not counted
 STOP_WORDS = ("the", "be", "to", "of", "and", "that", "have", "with")  # Rae et al. 2021, App. A.1.1
@@ -139,6 +141,11 @@ def _splitlines(texts: pa.Array) -> Parts:
     return parts.where(~(last & ~first & (parts.lengths() == 0)))
 
 
+def hold_inner(text: str) -> str:
+    """`text` with each inner character (INNER) replaced by its stand-in (HOLD)."""
+    return INNER.sub(lambda m: HOLD[m.group()], text)
+
+
 def _words(texts: pa.Array) -> Words:
     """Every text's words: split at white space, then each distinct piece (once per batch) at the characters that
     stand alone."""
@@ -146,15 +153,26 @@ def _words(texts: pa.Array) -> Words:
     encoded = pc.dictionary_encode(pieces.values)
     piece = _numpy(encoded.indices).astype(np.int64)
     distinct = encoded.dictionary
-    for pattern, stand_in, _ in INNER:  # twice: a match consumes the digit after it ("1.2.3")
-        for _ in range(2):
-            distinct = pc.replace_substring_regex(distinct, pattern, rf"\1{stand_in}\2")
+    # a few pieces of a batch hold an inner character: only they are rewritten (a literal search, then the
+    # pattern over what it finds, then Python's look-around over the ~2 pieces per document left)
+    inner = np.zeros(len(distinct), bool)
+    for char in HOLD:
+        inner |= _numpy(pc.match_substring(distinct, char))
+    where = np.flatnonzero(inner)
+    inner[where] = _numpy(pc.match_substring_regex(distinct.take(pa.array(where)), INNER_ANY))
+    if inner.any():
+        held = [hold_inner(p) for p in distinct.filter(pa.array(inner)).to_pylist()]
+        distinct = pc.replace_with_mask(distinct, pa.array(inner), pa.array(held, distinct.type))
     # the pieces hold no white space: the spaces put around the characters that stand alone are the only ones
     split = pc.split_pattern(pc.replace_substring_regex(distinct, PUNCT_ALONE, r" \1 "), " ")
     vocab = pc.dictionary_encode(split.values)
     words = vocab.dictionary
-    for _, stand_in, char in INNER:
-        words = pc.replace_substring(words, stand_in, char)
+    held = pc.match_substring_regex(words, "[\ue000-\ue003]")
+    if pc.any(held).as_py():
+        back = words.filter(held)
+        for char, stand_in in HOLD.items():
+            back = pc.replace_substring(back, stand_in, char)
+        words = pc.replace_with_mask(words, held, back)
     word = _numpy(vocab.indices).astype(np.int64)  # (S,) the words of the distinct pieces, in order
     offsets = _numpy(split.offsets).astype(np.int64)
     keep = _numpy(pc.utf8_length(vocab.dictionary))[word] > 0  # the empty strings between and after spaces
