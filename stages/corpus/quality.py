@@ -146,9 +146,9 @@ def hold_inner(text: str) -> str:
     return INNER.sub(lambda m: HOLD[m.group()], text)
 
 
-def _words(texts: pa.Array) -> Words:
-    """Every text's words: split at white space, then each distinct piece (once per batch) at the characters that
-    stand alone."""
+def _split_pieces(texts: pa.Array) -> tuple[Parts, np.ndarray, pa.ListArray]:
+    """(pieces, piece, split): every text's white-space pieces, each one's index among the batch's distinct pieces,
+    and each distinct piece split into words (with empty strings between and after the spaces put in)."""
     pieces = Parts.of(pc.utf8_split_whitespace(texts))
     encoded = pc.dictionary_encode(pieces.values)
     piece = _numpy(encoded.indices).astype(np.int64)
@@ -164,7 +164,21 @@ def _words(texts: pa.Array) -> Words:
         held = [hold_inner(p) for p in distinct.filter(pa.array(inner)).to_pylist()]
         distinct = pc.replace_with_mask(distinct, pa.array(inner), pa.array(held, distinct.type))
     # the pieces hold no white space: the spaces put around the characters that stand alone are the only ones
-    split = pc.split_pattern(pc.replace_substring_regex(distinct, PUNCT_ALONE, r" \1 "), " ")
+    return pieces, piece, pc.split_pattern(pc.replace_substring_regex(distinct, PUNCT_ALONE, r" \1 "), " ")
+
+
+def _word_counts(texts: pa.Array, n: int) -> np.ndarray:
+    """(N,) words per text as `_words` splits them, without naming them (all FineWeb asks of words)."""
+    pieces, piece, split = _split_pieces(texts)
+    words = _numpy(pc.utf8_length(split.values)) > 0
+    per = np.bincount(_numpy(pc.list_parent_indices(split)), weights=words, minlength=len(split))
+    return np.bincount(pieces.doc, weights=per[piece], minlength=n)
+
+
+def _words(texts: pa.Array) -> Words:
+    """Every text's words: split at white space, then each distinct piece (once per batch) at the characters that
+    stand alone."""
+    pieces, piece, split = _split_pieces(texts)
     vocab = pc.dictionary_encode(split.values)
     words = vocab.dictionary
     held = pc.match_substring_regex(words, "[\ue000-\ue003]")
@@ -478,7 +492,8 @@ def _c4(lines: Parts, rules: dict[str, float], n: int) -> dict[str, np.ndarray]:
             "c4_min_sentences": lines.count(n, counts, breaks + 1.0)}
 
 
-def _fineweb(texts: pa.Array, words: Words, newlines: NewlinePieces, n: int) -> dict[str, np.ndarray]:
+def _fineweb(texts: pa.Array, words: np.ndarray, newlines: NewlinePieces, n: int) -> dict[str, np.ndarray]:
+    """FineWeb's measures; `words`: (N,) words per text."""
     lines, repeat = newlines.fineweb()
     n_lines = np.maximum(lines.count(n), 1)
     newline_count = _numpy(pc.count_substring(texts, "\n"))
@@ -487,7 +502,7 @@ def _fineweb(texts: pa.Array, words: Words, newlines: NewlinePieces, n: int) -> 
         "fineweb_line_punct": lines.count(n, lines.matches(TERMINAL)) / n_lines,
         "fineweb_short_lines": lines.count(n, lines.lengths() <= 30) / n_lines,
         "fineweb_dup_line_chars": _dup_fractions(lines, n, chars, repeat)[1],
-        "fineweb_list_ratio": newline_count / np.maximum(words.count(n), 1),
+        "fineweb_list_ratio": newline_count / np.maximum(words, 1),
     }
 
 
@@ -496,7 +511,7 @@ def measure(texts: pa.Array, rules: dict[str, float]) -> dict[str, np.ndarray]:
     rule in `rules` are computed."""
     n = len(texts)
     groups = {BY_NAME[r].group for r in rules}
-    words = _words(texts) if groups - {"c4"} else None
+    words = _words(texts) if groups & {"gopher_repetition", "gopher_quality"} else None
     lines = _splitlines(texts) if groups & {"gopher_quality", "c4"} else None
     newlines = NewlinePieces.of(texts) if groups & {"gopher_repetition", "fineweb"} else None
     out: dict[str, np.ndarray] = {}
@@ -507,7 +522,7 @@ def measure(texts: pa.Array, rules: dict[str, float]) -> dict[str, np.ndarray]:
     if "c4" in groups:
         out.update(_c4(lines, rules, n))
     if "fineweb" in groups:
-        out.update(_fineweb(texts, words, newlines, n))
+        out.update(_fineweb(texts, _word_counts(texts, n) if words is None else words.count(n), newlines, n))
     return out
 
 
