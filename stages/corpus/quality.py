@@ -146,9 +146,10 @@ def hold_inner(text: str) -> str:
     return INNER.sub(lambda m: HOLD[m.group()], text)
 
 
-def _split_pieces(texts: pa.Array) -> tuple[Parts, np.ndarray, pa.ListArray]:
-    """(pieces, piece, split): every text's white-space pieces, each one's index among the batch's distinct pieces,
-    and each distinct piece split into words (with empty strings between and after the spaces put in)."""
+def _split_pieces(texts: pa.Array) -> tuple[Parts, np.ndarray, pa.ListArray, bool]:
+    """(pieces, piece, split, held): every text's white-space pieces, each one's index among the batch's distinct
+    pieces, each distinct piece split into words (with empty strings between and after the spaces put in), and
+    whether some word holds a stand-in (HOLD) to put back."""
     pieces = Parts.of(pc.utf8_split_whitespace(texts))
     encoded = pc.dictionary_encode(pieces.values)
     piece = _numpy(encoded.indices).astype(np.int64)
@@ -164,12 +165,13 @@ def _split_pieces(texts: pa.Array) -> tuple[Parts, np.ndarray, pa.ListArray]:
         held = [hold_inner(p) for p in distinct.filter(pa.array(inner)).to_pylist()]
         distinct = pc.replace_with_mask(distinct, pa.array(inner), pa.array(held, distinct.type))
     # the pieces hold no white space: the spaces put around the characters that stand alone are the only ones
-    return pieces, piece, pc.split_pattern(pc.replace_substring_regex(distinct, PUNCT_ALONE, r" \1 "), " ")
+    split = pc.split_pattern(pc.replace_substring_regex(distinct, PUNCT_ALONE, r" \1 "), " ")
+    return pieces, piece, split, bool(inner.any())
 
 
 def _word_counts(texts: pa.Array, n: int) -> np.ndarray:
     """(N,) words per text as `_words` splits them, without naming them (all FineWeb asks of words)."""
-    pieces, piece, split = _split_pieces(texts)
+    pieces, piece, split, _ = _split_pieces(texts)
     words = _numpy(pc.utf8_length(split.values)) > 0
     per = np.bincount(_numpy(pc.list_parent_indices(split)), weights=words, minlength=len(split))
     return np.bincount(pieces.doc, weights=per[piece], minlength=n)
@@ -178,11 +180,11 @@ def _word_counts(texts: pa.Array, n: int) -> np.ndarray:
 def _words(texts: pa.Array) -> Words:
     """Every text's words: split at white space, then each distinct piece (once per batch) at the characters that
     stand alone."""
-    pieces, piece, split = _split_pieces(texts)
+    pieces, piece, split, held_any = _split_pieces(texts)
     vocab = pc.dictionary_encode(split.values)
     words = vocab.dictionary
-    held = pc.match_substring_regex(words, "[\ue000-\ue003]")
-    if pc.any(held).as_py():
+    if held_any:
+        held = pc.match_substring_regex(words, "[\ue000-\ue003]")
         back = words.filter(held)
         for char, stand_in in HOLD.items():
             back = pc.replace_substring(back, stand_in, char)
