@@ -36,7 +36,7 @@ rewrite changes no keep/remove decision of the block, and only decisions are com
 
 Language ID: datatrove's LanguageFilter loads fastText's lid.176 from the Hub at run time (nothing may be
 downloaded here), so it is not run; py3langid (what the stage runs) is scored on the documents of known language
-(the speeches' four languages, the English news and reviews) by `stages.corpus.quality.languages`.
+(the speeches' four languages, the English news and reviews) by `stages.corpus.langid.classify`.
 """
 
 from __future__ import annotations
@@ -286,7 +286,7 @@ def compare(block: str, docs: list[dict], mine: dict[str, str], peer: dict[str, 
 
 def language_id(docs: list[dict]) -> dict:
     """py3langid's top language against the known language of each document that has one."""
-    from stages.corpus.quality import languages
+    from stages.corpus.langid import classify as languages
 
     known = [d for d in docs if d["language"] and d["kind"] in ("news", "speeches", "reviews")]
     start = time.perf_counter()

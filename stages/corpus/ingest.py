@@ -37,7 +37,8 @@ import xxhash
 from core.errors import StageInputError
 from core.storage import filesystem, is_uri, split_uri, store_fix
 from stages.corpus.minhash import MinHasher, band_keys, normalize
-from stages.corpus.quality import Filters, first_rule, languages
+from stages.corpus.langid import classify as languages
+from stages.corpus.quality import Filters, first_rule
 
 if TYPE_CHECKING:
     from core.config import CorpusConfig

@@ -1,4 +1,4 @@
-"""Quality rules and language identification of the corpus stage, over a batch of documents at once.
+"""Quality rules of the corpus stage, over a batch of documents at once.
 
 The rules are Gopher's (Rae et al. 2021, App. A.1.1 and Table A1), C4's (Raffel et al. 2020, §2.2) and
 FineWeb's (Penedo et al. 2024, §3.3), as datatrove 0.10 measures them; their names and thresholds are
@@ -16,9 +16,8 @@ the rule's measure as its value. The stage removes documents and never rewrites 
 drops the lines that do not count from the text it keeps, here they only decide c4_min_sentences, c4_lorem_ipsum
 and c4_curly_brace, and the text trained on is the text read.
 
-Language identification is py3langid's model (langid.py's naive Bayes, which ships inside the wheel), evaluated over
-the whole batch by `stages.corpus.langid`: py3langid has no batch interface; that module evaluates its own model in
-numpy, to its answers.
+The `Filters` also carry the languages kept: language identification is `stages.corpus.langid` (py3langid's model,
+over the whole batch at once).
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ import pyarrow.compute as pc
 
 from core.contamination import DevGrams
 from core.corpus_filters import BY_NAME, LINE, RULES
-from stages.corpus.langid import classify
 
 LINE_BREAK = "\r\n|[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]"  # what str.splitlines splits on
 OTHER_BREAK = "[\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]"
@@ -543,11 +541,3 @@ def first_rule(texts: pa.Array, rules: dict[str, float]) -> tuple[list, np.ndarr
         reason[fires] = rule.name
         value[fires] = measures[rule.name][fires]
     return reason.tolist(), value
-
-
-def languages(texts: list[str]) -> tuple[list[str], np.ndarray]:
-    """(top language, its probability) of each text on its first LANGID_CHARS characters: py3langid's `classify`,
-    over the whole batch at once (`stages.corpus.langid`)."""
-    return classify(texts)
-
-

@@ -22,6 +22,7 @@ from core.config import ConfigError, CorpusConfig
 from core.corpus_filters import resolve
 from core.datasets import site_packages_file
 from stages.corpus import quality
+from stages.corpus.langid import classify
 
 # A word as stages.corpus.quality reads one: letters and digits, with an inner "." or "," of a number and an inner
 # apostrophe of a word; else one character that is not a word character or space, or an underscore.
@@ -119,7 +120,7 @@ def test_language_identification_keeps_the_configured_language(lee):
         import pandas as pd
 
         german = pd.read_csv(z.open("de.csv")).text.dropna().tolist()[:30]
-    found, prob = quality.languages(german + lee[:30])
+    found, prob = classify(german + lee[:30])
     assert found[:30].count("de") >= 28 and found[30:].count("en") >= 29, Counter(found)
     assert np.median(prob) > 0.9
 
