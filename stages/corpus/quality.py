@@ -5,11 +5,9 @@ FineWeb's (Penedo et al. 2024, §3.3), as datatrove 0.10 measures them; their na
 `core.corpus_filters`. datatrove runs each rule per document in Python; here a batch is split once into a flat
 Arrow array of words and one of lines (pyarrow's string kernels, in C++), every measure is a numpy reduction over
 those by document (`np.bincount` on the parent index), and duplicates are found by Arrow's dictionary encoding of
-exact (document, piece) keys; a word is split and measured once per distinct word of the batch. Where datatrove's
-word splitter is spaCy's tokenizer, words here are runs of letters, digits and marks, a number keeping its inner
-"." and "," (3.5, 1,000) and a word its inner apostrophe (it's, O'Neil), as spaCy keeps them; each other non-space
-character is a word of its own (what spaCy's prefix and suffix rules do for English prose; "it's" is one word here
-and two in spaCy, and code splits finer here: spaCy keeps `f(x` whole).
+exact (document, piece) keys. The words are spaCy's, as datatrove splits them (`stages.corpus.words`: its English
+prefix, suffix and infix rules, not its exceptions), each distinct white-space piece of a batch split once and
+each distinct word measured once.
 
 A document is removed by the first rule that fires, in FineWeb's order (repetition, quality, C4, FineWeb), with
 the rule's measure as its value. The stage removes documents and never rewrites one: datatrove's C4 filter also
@@ -22,7 +20,6 @@ over the whole batch at once).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -32,17 +29,11 @@ import pyarrow.compute as pc
 
 from core.contamination import DevGrams
 from core.corpus_filters import BY_NAME, LINE, RULES
+from stages.corpus.words import counts as count_words, split as split_words
 
 LINE_BREAK = "\r\n|[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]"  # what str.splitlines splits on
 OTHER_BREAK = "[\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]"
 SPACE = r"[\s\pZ]"
-# A word is a run of letters, digits and marks, and of an inner character (a "." or "," between two digits, an
-# apostrophe between two letters); any other visible character stands alone. RE2 has no look-around: an inner
-# character is held by a private-use stand-in (HOLD) while the others are split off, then put back.
-HOLD = {".": "\ue000", ",": "\ue001", "'": "\ue002", "\u2019": "\ue003"}
-INNER = re.compile(r"(?<=\d)[.,](?=\d)|(?<=[^\W\d_])['\u2019](?=[^\W\d_])")
-INNER_ANY = "\\pN[.,]\\pN|\\pL['\u2019]\\pL"  # the same, in RE2, to find the few pieces INNER rewrites
-PUNCT_ALONE = "([^\\pL\\pN\\pM\\s\\pZ\ue000-\ue003])"
 SYMBOL_ONLY = r"^[\pP$+<=>^`|~]+$"  # datatrove's PUNCTUATION: a word made only of these is not counted
 STOP_WORDS = ("the", "be", "to", "of", "and", "that", "have", "with")  # Rae et al. 2021, App. A.1.1
 C4_END = r"[.?!\"']$"
@@ -139,64 +130,30 @@ def _splitlines(texts: pa.Array) -> Parts:
     return parts.where(~(last & ~first & (parts.lengths() == 0)))
 
 
-def hold_inner(text: str) -> str:
-    """`text` with each inner character (INNER) replaced by its stand-in (HOLD)."""
-    return INNER.sub(lambda m: HOLD[m.group()], text)
-
-
-def _split_pieces(texts: pa.Array) -> tuple[Parts, np.ndarray, pa.ListArray, bool]:
-    """(pieces, piece, split, held): every text's white-space pieces, each one's index among the batch's distinct
-    pieces, each distinct piece split into words (with empty strings between and after the spaces put in), and
-    whether some word holds a stand-in (HOLD) to put back."""
+def _split_pieces(texts: pa.Array) -> tuple[Parts, np.ndarray, pa.Array]:
+    """(pieces, piece, distinct): every text's white-space pieces, each one's index among the batch's distinct
+    pieces, and those."""
     pieces = Parts.of(pc.utf8_split_whitespace(texts))
     encoded = pc.dictionary_encode(pieces.values)
-    piece = _numpy(encoded.indices).astype(np.int64)
-    distinct = encoded.dictionary
-    # a few pieces of a batch hold an inner character: only they are rewritten (a literal search, then the
-    # pattern over what it finds, then Python's look-around over the ~2 pieces per document left)
-    inner = np.zeros(len(distinct), bool)
-    for char in HOLD:
-        inner |= _numpy(pc.match_substring(distinct, char))
-    where = np.flatnonzero(inner)
-    inner[where] = _numpy(pc.match_substring_regex(distinct.take(pa.array(where)), INNER_ANY))
-    if inner.any():
-        held = [hold_inner(p) for p in distinct.filter(pa.array(inner)).to_pylist()]
-        distinct = pc.replace_with_mask(distinct, pa.array(inner), pa.array(held, distinct.type))
-    # the pieces hold no white space: the spaces put around the characters that stand alone are the only ones
-    split = pc.split_pattern(pc.replace_substring_regex(distinct, PUNCT_ALONE, r" \1 "), " ")
-    return pieces, piece, split, bool(inner.any())
+    return pieces, _numpy(encoded.indices).astype(np.int64), encoded.dictionary
 
 
 def _word_counts(texts: pa.Array, n: int) -> np.ndarray:
     """(N,) words per text as `_words` splits them, without naming them (all FineWeb asks of words)."""
-    pieces, piece, split, _ = _split_pieces(texts)
-    words = _numpy(pc.utf8_length(split.values)) > 0
-    per = np.bincount(_numpy(pc.list_parent_indices(split)), weights=words, minlength=len(split))
-    return np.bincount(pieces.doc, weights=per[piece], minlength=n)
+    pieces, piece, distinct = _split_pieces(texts)
+    return np.bincount(pieces.doc, weights=count_words(distinct)[piece], minlength=n)
 
 
 def _words(texts: pa.Array) -> Words:
-    """Every text's words: split at white space, then each distinct piece (once per batch) at the characters that
-    stand alone."""
-    pieces, piece, split, held_any = _split_pieces(texts)
+    """Every text's words: split at white space, then each distinct piece (once per batch) by spaCy's rules."""
+    pieces, piece, distinct = _split_pieces(texts)
+    split = split_words(distinct)
     vocab = pc.dictionary_encode(split.values)
-    words = vocab.dictionary
-    if held_any:
-        held = pc.match_substring_regex(words, "[\ue000-\ue003]")
-        back = words.filter(held)
-        for char, stand_in in HOLD.items():
-            back = pc.replace_substring(back, stand_in, char)
-        words = pc.replace_with_mask(words, held, back)
-    word = _numpy(vocab.indices).astype(np.int64)  # (S,) the words of the distinct pieces, in order
     offsets = _numpy(split.offsets).astype(np.int64)
-    keep = _numpy(pc.utf8_length(vocab.dictionary))[word] > 0  # the empty strings between and after spaces
-    offsets = np.r_[0, np.cumsum(keep)][offsets]
-    word = word[keep]
     per = np.diff(offsets)[piece]  # (P,) words of each piece of a text
     total = int(per.sum())
-    ends = np.cumsum(per)
-    at = np.repeat(offsets[piece] - ends + per, per) + np.arange(total)
-    return Words(words, word[at], np.repeat(pieces.doc, per))
+    at = np.repeat(offsets[piece] - np.cumsum(per) + per, per) + np.arange(total)
+    return Words(vocab.dictionary, _numpy(vocab.indices).astype(np.int64)[at], np.repeat(pieces.doc, per))
 
 
 def _first_seen(keys: pa.Array | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
