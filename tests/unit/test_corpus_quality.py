@@ -10,6 +10,7 @@ import bz2
 import glob
 import gzip
 import re
+import unicodedata
 import zipfile
 from collections import Counter
 from pathlib import Path
@@ -24,9 +25,104 @@ from core.datasets import site_packages_file
 from stages.corpus import quality
 from stages.corpus.langid import classify
 
-# A word as stages.corpus.quality reads one: letters and digits, with an inner "." or "," of a number and an inner
-# apostrophe of a word; else one character that is not a word character or space, or an underscore.
-WORD = r"(?:[^\W_]|(?<=\d)[.,](?=\d)|(?<=[^\W\d_])['’](?=[^\W\d_]))+|[^\w\s]|_"
+
+# spaCy's English tokenizer (datatrove's word splitter) read one piece at a time as spaCy's Tokenizer._split_affixes
+# and _attach_tokens do, with the rules of spacy.lang.punctuation (its exceptions left out, as in the stage)
+PUNCT = "…,:;!?¿؟¡()[]{}<>_#*&。？！，、；：～·।،۔؛٪"
+QUOTES = "'\"”“`‘´’‚,„»«「」『』（）〔〕【】《》〈〉〈〉⟦⟧"
+CURRENCY = "$£€¥฿₽﷼₴₠₡₢₣₤₥₦₧₨₩₪₫₭₮₯₰₱₲₳₵₶₷₸₹₺₻₼₾₿"
+AFTER_DIGIT = set("km km² km³ m m² m³ dm dm² dm³ cm cm² cm³ mm mm² mm³ ha µm nm yd in ft kg g mg µg t lb oz m/s km/h "
+                  "kmh mph hPa Pa mbar mb MB kb KB gb GB tb TB T G M K % + US$ C$ A$".split()) | set(CURRENCY)
+URL = re.compile(r"^(?:[\w+\-.]{2,}://)?(?:\S+(?::\S*)?@)?(?:(?:[^\W_][\w\-]*)?[^\W_]\.)+(?P<tld>[^\W\d_]{2,})"
+                 r"(?::\d{2,5})?(?:[/?#]\S*)?$")  # and its top-level domain in lower case
+
+
+def _kind(c: str) -> str:
+    return unicodedata.category(c)
+
+
+def _digit(c: str) -> bool:
+    return c != "" and c in "0123456789"  # spaCy's [0-9]
+
+
+def _prefix(s: str) -> int:
+    if s[0] in "§%=—–" + PUNCT + QUOTES + CURRENCY or _kind(s[0]) == "So":
+        return 1
+    if s[0] == "+" and not _digit(s[1:2]):
+        return 1
+    if s.startswith(".."):
+        return len(s) - len(s.lstrip("."))
+    return next((len(t) for t in ("US$", "C$", "A$") if s.startswith(t)), 0)
+
+
+def _suffix(s: str) -> int:
+    for i in range(len(s)):  # the leftmost match of spaCy's suffix pattern
+        t, before = s[i:], s[max(i - 2, 0):i]
+        if t in ("'s", "'S", "’s", "’S", "……") or (len(t) == 1 and (t in PUNCT + QUOTES + "—–" or _kind(t) == "So")):
+            return len(t)
+        if len(t) > 1 and t.strip(".") == "" or _digit(before[-1:]) and t in AFTER_DIGIT:
+            return len(t)
+        if t == "." and before and (before[-1] in "0123456789%²-+|(?:)" + PUNCT + QUOTES or
+                                    _kind(before[-1]) in ("Ll", "Lo") or before in ("°F", "°f", "°C", "°c", "°K", "°k")
+                                    or len(before) == 2 and all(_kind(c) in ("Lu", "Lo") for c in before)):
+            return 1
+    return 0
+
+
+def _infix(s: str, i: int) -> int:
+    """The length of the first of spaCy's infix patterns that matches at i."""
+    prev, nxt = s[i - 1:i] or " ", s[i + 1:i + 2] or " "  # a space: no class
+    alpha = lambda c: _kind(c).startswith("L")  # noqa: E731
+    if s.startswith("..", i):
+        return len(s[i:]) - len(s[i:].lstrip("."))
+    if s[i] == "…" or _kind(s[i]) == "So":
+        return 1
+    if s[i] in "+-*^" and _digit(prev) and (_digit(nxt) or nxt == "-"):
+        return 1
+    if s[i] == "." and (prev in QUOTES or _kind(prev) in ("Ll", "Lo")) and (nxt in QUOTES or _kind(nxt) in ("Lu", "Lo")):
+        return 1
+    if s[i] == "," and alpha(prev) and alpha(nxt):
+        return 1
+    if alpha(prev) or _digit(prev):
+        for t in ("-", "–", "—", "--", "---", "——", "~"):
+            if s.startswith(t, i) and alpha(s[i + len(t):i + len(t) + 1] or " "):
+                return len(t)
+        if s[i] in ":<>=/" and alpha(nxt):
+            return 1
+    return 0
+
+
+def _spacy_words(piece: str) -> list[str]:
+    prefixes, suffixes, last = [], [], -1
+    while piece and len(piece) != last:
+        last = len(piece)
+        pre = _prefix(piece)
+        suf = _suffix(piece[pre:])
+        if pre and suf and pre + suf <= len(piece):
+            prefixes.append(piece[:pre]), suffixes.append(piece[-suf:])
+            piece = piece[pre:-suf]
+        elif pre:
+            prefixes.append(piece[:pre])
+            piece = piece[pre:]
+        elif suf:
+            suffixes.append(piece[-suf:])
+            piece = piece[:-suf]
+    core, start, i = [], 0, 0
+    url = URL.match(piece)
+    while piece and not (url and url["tld"] == url["tld"].lower()) and i < len(piece):  # re.finditer over the infixes
+        n = _infix(piece, i)
+        if n and i > 0:  # spaCy skips an infix at the start
+            core += [piece[start:i]] if i > start else []
+            core.append(piece[i:i + n])
+            start = i + n
+        i += max(n, 1)
+    core += [piece[start:]] if piece[start:] else []
+    return prefixes + core + suffixes[::-1]
+
+
+def _words_of(text: str) -> list[str]:
+    return [w for piece in text.split() for w in _spacy_words(piece)]
+
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -62,7 +158,7 @@ def test_prose_is_kept_and_source_code_goes_by_gopher_quality(lee):
 
 def test_gopher_repetition_removes_changelogs(changelogs, lee):
     reasons = _removed(changelogs, "gopher_repetition")
-    assert sum(r is not None for r in reasons) >= 0.8 * len(changelogs), Counter(reasons)
+    assert sum(r is not None for r in reasons) >= 0.7 * len(changelogs), Counter(reasons)  # datatrove's: 22 of 30
     assert {r.split("_")[1] for r in reasons if r} <= {"dup", "top"}
     assert _removed(lee[:100], "gopher_repetition").count(None) >= 97
 
@@ -109,10 +205,30 @@ def test_measures_equal_a_per_document_reading(changelogs, lee):
         nonempty = [s for s in text.split("\n") if s.strip()]
         assert m["fineweb_short_lines"][i] == pytest.approx(sum(len(s) <= 30 for s in nonempty) / len(nonempty))
         assert m["fineweb_dup_line_chars"][i] == pytest.approx(_dups(nonempty)[1] / len(text.replace("\n", "")))
-        words = re.findall(WORD, text)
+        words = _words_of(text)
         grams = Counter(" ".join(words[k:k + 2]) for k in range(len(words) - 1))
         top = max(grams.items(), key=lambda kv: kv[1])  # ties: Counter keeps the first seen
         assert m["gopher_top_2gram"][i] == pytest.approx(len(top[0]) * top[1] / len(text)), i
+
+
+def test_words_are_split_as_spacys_rules_read_one_piece_at_a_time(changelogs, lee):
+    """The batch splitter against spaCy's rules read piece by piece (its exceptions left out), on the distinct pieces
+    of real prose, changelogs, Python sources and wiki markup, and on cases whose words spaCy 3.8 was seen to give."""
+    from stages.corpus.words import counts, split
+
+    code = [Path(f).read_text() for f in sorted(glob.glob(str(Path(pa.__file__).parent / "*.py")))[:20]]
+    wiki = bz2.open(site_packages_file("gensim/test/test_data/enwiki-table-markup.xml.bz2"), "rt").read()
+    pieces = sorted({p for text in changelogs + lee + code + [wiki] for p in text.split()})
+    assert len(pieces) > 30_000
+    got = split(pa.array(pieces)).to_pylist()
+    wrong = [(p, g, _spacy_words(p)) for p, g in zip(pieces, got) if g != _spacy_words(p)]
+    assert not wrong, (len(wrong), wrong[:5])
+    assert counts(pa.array(pieces)).tolist() == [len(g) for g in got]
+    seen = {"f(x):": ["f(x", ")", ":"], "(US$5.00).": ["(", "US$", "5.00", ")", "."], "10km": ["10", "km"],
+            "it's": ["it", "'s"], "http://a.com/x-y": ["http://a.com/x-y"], "a,b,c": ["a", ",", "b", ",", "c"],
+            "t.Optional[t.Callable[...,": ["t", ".", "Optional[t", ".", "Callable", "[", "...", ","],
+            "U.S.A.": ["U.S.A."], "x--y": ["x", "--", "y"], "+5": ["+5"], "°C.": ["°", "C."], "****": ["*"] * 4}
+    assert dict(zip(seen, split(pa.array(list(seen))).to_pylist())) == seen
 
 
 def test_language_identification_keeps_the_configured_language(lee):
@@ -185,7 +301,7 @@ def _windows_of(text: str, n: int = 13) -> list[tuple[str, ...]]:
 def test_a_text_with_punctuation_or_space_at_its_edges_has_no_empty_words():
     text = "'The Cockettes provides a window into a subculture hell-bent on expressing itself in every way imaginable.'\n"
     m = quality.measure(_texts([text]), resolve(("all",)))
-    words = re.findall(WORD, text)
+    words = _words_of(text)
     assert m["gopher_alpha_words"][0] == pytest.approx(sum(any(c.isalpha() for c in w) for w in words) / len(words))
     first = " ".join(words[:4])  # every 4-gram occurs once: the first seen is the top one
     assert m["gopher_top_4gram"][0] == pytest.approx(len(first) / len(text))
@@ -214,6 +330,6 @@ def test_duplicated_ngrams_are_counted_as_datatrove_reads_them(changelogs, lee):
     docs = changelogs[:10] + lee[:10]  # changelogs repeat whole entries: copies jumped over, read again later
     m = quality.measure(_texts(docs), resolve(("gopher_repetition",)))
     for i, doc in enumerate(docs):
-        words = re.findall(WORD, doc)
+        words = _words_of(doc)
         for n in range(5, 11):
             assert m[f"gopher_dup_{n}gram"][i] == pytest.approx(_find_all_duplicate(words, n) / len(doc)), (i, n)
