@@ -18,11 +18,11 @@ words; bench/README.md says how often datatrove's rules decide otherwise with th
 
 from __future__ import annotations
 
+import re
 import unicodedata
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 PUNCT = "…,:;!?¿؟¡()[]{}<>_#*&。？！，、；：～·।،۔؛٪"  # spaCy's LIST_PUNCT, one character each
 QUOTES = "'\"”“`‘´’‚,„»«「」『』（）〔〕【】《》〈〉〈〉⟦⟧"  # LIST_QUOTES
@@ -34,9 +34,9 @@ AFTER_DIGIT = frozenset("km km² km³ m m² m³ dm dm² dm³ cm cm² cm³ mm mm�
                         "см² см³ мм мм² мм³ нм кг г мг м/с км/ч кПа Па мбар Кб КБ кб Мб МБ мб Гб ГБ гб Тб ТБ тб + "
                         "US$ C$ A$".split()) | frozenset(CURRENCY)
 SUFFIX_PAIRS = ("'s", "'S", "’s", "’S", "……")
-# URL_MATCH, but its look-aheads (no RE2) and its label lengths (they blow up RE2's automaton)
-URL = ("^(?:[\\w+\\-.]{2,}://)?(?:\\S+(?::\\S*)?@)?(?:[0-9]{1,3}(?:\\.[0-9]{1,3}){3}|"
-       "(?:(?:[\\pL\\pN][\\pL\\pN_\\-]*)?[\\pL\\pN]\\.)+[\\p{Ll}\\p{Lo}]{2,})(?::[0-9]{2,5})?(?:[/?#]\\S*)?$")
+# URL_MATCH, but its look-aheads for private IP addresses; its top-level domain in lower case is checked after
+URL = re.compile(r"^(?:[\w+\-.]{2,}://)?(?:\S+(?::\S*)?@)?(?:[0-9]{1,3}(?:\.[0-9]{1,3}){3}|"
+                 r"(?:(?:[^\W_][\w\-]{0,62})?[^\W_]\.)+(?P<tld>[^\W\d_]{2,63}))(?::[0-9]{2,5})?(?:[/?#]\S*)?$")
 
 # Classes of characters, a bit each.
 PREFIX, SUFFIX, DOT_AFTER, LOWER, UPPER, ALPHA, QUOTE, ICON, DIGIT, INFIX, SUFFIX_RUN = (1 << i for i in range(11))
@@ -282,11 +282,9 @@ def _infixes(p: _Pieces, lo: np.ndarray, hi: np.ndarray, cuts: list[np.ndarray])
 
 
 def _urls(p: _Pieces, lo: np.ndarray, hi: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """The rows whose core [lo, hi) is a URL, of `rows` (those with a dot: every URL has one)."""
-    if not len(rows):
-        return rows
-    cores = pa.array([p.text(lo[r], hi[r]) for r in rows.tolist()], pa.string())
-    return rows[pc.match_substring_regex(cores, URL).to_numpy(zero_copy_only=False)]
+    """The rows whose core [lo, hi) is a URL, of `rows` (a few: those with a dot and two letters after it)."""
+    found = [URL.match(p.text(lo[r], hi[r])) for r in rows.tolist()]
+    return rows[[bool(m) and (m["tld"] is None or m["tld"] == m["tld"].lower()) for m in found]]
 
 
 def _cuts(pieces: pa.Array) -> tuple[_Pieces, np.ndarray]:
@@ -296,8 +294,9 @@ def _cuts(pieces: pa.Array) -> tuple[_Pieces, np.ndarray]:
     rest = _prefixes(p, cuts)
     core_end = _suffixes(p, rest, cuts)
     _infixes(p, rest, core_end, cuts)
-    cut = np.unique(np.concatenate(cuts))
-    return p, cut[cut < len(p.code)]
+    starts = np.zeros(len(p.code) + 1, bool)  # a word starts here (a flag per code point: cheaper than np.unique)
+    starts[np.concatenate(cuts)] = True
+    return p, np.flatnonzero(starts[:-1])
 
 
 def split(pieces: pa.Array) -> pa.ListArray:
