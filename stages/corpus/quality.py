@@ -463,9 +463,11 @@ def _fineweb(texts: pa.Array, words: np.ndarray, newlines: NewlinePieces, n: int
     }
 
 
-def measure(texts: pa.Array, rules: dict[str, float]) -> dict[str, np.ndarray]:
+def measure(texts: pa.Array, rules: dict[str, float], exact: bool = True) -> dict[str, np.ndarray]:
     """Every rule's measure of every text (non-null strings), as {rule: (N,) float64}; only the groups with a
-    rule in `rules` are computed."""
+    rule in `rules` are computed. Not `exact`: FineWeb's list ratio (newlines / words) is exact only where it may
+    exceed its threshold; elsewhere it is newlines / white-space pieces, a bound (each piece is a word or more) at
+    or below the threshold, so that FineWeb alone splits few documents into words (`first_rule`)."""
     n = len(texts)
     groups = {BY_NAME[r].group for r in rules}
     words = _words(texts) if groups & {"gopher_repetition", "gopher_quality"} else None
@@ -479,7 +481,18 @@ def measure(texts: pa.Array, rules: dict[str, float]) -> dict[str, np.ndarray]:
     if "c4" in groups:
         out.update(_c4(lines, rules, n))
     if "fineweb" in groups:
-        out.update(_fineweb(texts, _word_counts(texts, n) if words is None else words.count(n), newlines, n))
+        if words is not None:
+            counts = words.count(n)
+        elif exact or "fineweb_list_ratio" not in rules:
+            counts = _word_counts(texts, n)
+        else:  # words only where the bound may fire
+            counts = _numpy(pc.list_value_length(pc.utf8_split_whitespace(texts))).astype(np.float64)
+            newline_count = _numpy(pc.count_substring(texts, "\n"))
+            some = np.flatnonzero(BY_NAME["fineweb_list_ratio"].fires(
+                newline_count / np.maximum(counts, 1), rules["fineweb_list_ratio"]))
+            if len(some):
+                counts[some] = _word_counts(texts.take(pa.array(some)), len(some))
+        out.update(_fineweb(texts, counts, newlines, n))
     return out
 
 
@@ -490,7 +503,7 @@ def first_rule(texts: pa.Array, rules: dict[str, float]) -> tuple[list, np.ndarr
     value = np.full(n, np.nan)
     if not rules or not n:
         return reason.tolist(), value
-    measures = measure(texts, rules)
+    measures = measure(texts, rules, exact=False)
     for rule in RULES:  # RULES is in GROUPS order
         if rule.name not in rules or rule.kind == LINE:
             continue

@@ -176,8 +176,16 @@ def test_c4_removes_wiki_markup_by_its_braces(lee):
 def test_fineweb_removes_copyright_files():
     files = sorted(glob.glob("/usr/share/doc/*/copyright"))[:40]
     assert len(files) >= 10, "Debian's copyright files under /usr/share/doc/*/ (one per package) are missing"
-    reasons = _removed([Path(f).read_text(errors="replace") for f in files], "fineweb")
+    docs = [Path(f).read_text(errors="replace") for f in files]
+    reasons = _removed(docs, "fineweb")
     assert sum(r is not None for r in reasons) >= 0.5 * len(files), Counter(reasons)
+    # the list ratio alone, on lists of names and the copyright files: the stage splits into words only the
+    # documents whose ratio may exceed the threshold, and removes those a reading of every word removes
+    docs += [Path(f).read_text(errors="replace") for f in sorted(glob.glob("/usr/share/doc/*/AUTHORS"))]
+    reasons, values = quality.first_rule(_texts(docs), {"fineweb_list_ratio": 0.3})
+    ratio = np.array([d.count("\n") / max(len(_words_of(d)), 1) for d in docs])
+    assert [r is not None for r in reasons] == (ratio > 0.3).tolist() and 0 < sum(ratio > 0.3) < len(docs)
+    assert values[ratio > 0.3] == pytest.approx(ratio[ratio > 0.3])
 
 
 def _dups(pieces: list[str]) -> tuple[int, int]:
