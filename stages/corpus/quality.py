@@ -277,26 +277,27 @@ def _dup_gram(grams: Grams, words: Words, n_docs: int, cum: np.ndarray) -> np.nd
     # the documents left: datatrove's reading, over the n-grams that occur more than once only (the others are
     # never counted, and being seen decides nothing)
     many = grams.counts[ids] > 1
-    for d, chars in _read_repeats(starts[many].tolist(), ids[many].tolist(), doc[many].tolist(), n,
-                                  cum.tolist()).items():
+    starts = starts[many]
+    for d, chars in _read_repeats(starts.tolist(), ids[many].tolist(), doc[many].tolist(), n,
+                                  (cum[starts + n] - cum[starts]).tolist()).items():
         value[d] = chars
     return value
 
 
-def _read_repeats(starts: list[int], ids: list[int], docs: list[int], n: int, cum: list[int]) -> dict[int, int]:
-    """datatrove's `find_all_duplicate` per document, over the starts (ascending) and ids of its n-grams that occur
-    more than once: {document: characters counted}."""
+def _read_repeats(starts: list[int], ids: list[int], docs: list[int], n: int, chars: list[int]) -> dict[int, int]:
+    """datatrove's `find_all_duplicate` per document, over the starts (ascending), ids and characters of its
+    n-grams that occur more than once: {document: characters counted}."""
     out: dict[int, int] = {}
     seen: set[int] = set()
     doc, reads_from = -1, 0
-    for at, gram, d in zip(starts, ids, docs):
+    for at, gram, d, size in zip(starts, ids, docs, chars):
         if d != doc:
             doc, reads_from, out[d] = d, 0, 0
             seen.clear()
         if at < reads_from:
             continue
         if gram in seen:
-            out[d] += cum[at + n] - cum[at]
+            out[d] += size
             reads_from = at + n
         else:
             seen.add(gram)
