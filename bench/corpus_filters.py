@@ -30,7 +30,8 @@ same) and an `exclusion_writer` (JSONL of the removed documents with their reaso
 and write what they remove. A block's two runs share one process, held to one thread; --procs blocks run side by
 side; the speed is documents per CPU second of that process (the wall time is kept too: on a shared machine it
 measures the neighbours). Each disagreement is then classed by the first of our choices that, swapped into
-datatrove's block (its word splitter, its sentence splitter), makes it decide as ours.
+datatrove's block (spaCy's tokenizer without its exceptions, then our word splitter; our sentence splitter), makes
+it decide as ours.
 datatrove's C4QualityFilter also rewrites the text it keeps (the lines that do not count are dropped); that
 rewrite changes no keep/remove decision of the block, and only decisions are compared.
 
@@ -45,6 +46,7 @@ import argparse
 import bz2
 import concurrent.futures as cf
 import contextlib
+import functools
 import gzip
 import json
 import multiprocessing as mp
@@ -234,13 +236,34 @@ def _causes(block: str) -> list[tuple[str, dict]]:
     from datatrove.pipeline.filters import c4_filters, fineweb_quality_filter, gopher_quality_filter
     from datatrove.pipeline.filters import gopher_repetition_filter as rep
 
-    words = lambda module: {(module, "split_into_words"): lambda text, language=None: _our_words(text)}  # noqa: E731
+    def words(module, split):
+        return {(module, "split_into_words"): lambda text, language=None: split(text)}
+
+    def splitters(module):  # spaCy without its exceptions first: what ours leaves out on purpose
+        return [("spaCy's exceptions", words(module, _spacy_without_exceptions)),
+                ("word splitter", words(module, _our_words))]
+
     return {
-        "gopher_quality": [("word splitter", words(gopher_quality_filter))],
-        "gopher_repetition": [("word splitter", words(rep))],
+        "gopher_quality": splitters(gopher_quality_filter),
+        "gopher_repetition": splitters(rep),
         "c4": [("sentence splitter", {(c4_filters, "split_into_sentences"): _our_sentences})],
-        "fineweb": [("word splitter", words(fineweb_quality_filter))],
+        "fineweb": splitters(fineweb_quality_filter),
     }[block]
+
+
+@functools.cache
+def _bare_spacy():
+    """spaCy's blank English tokenizer without its exceptions (contractions, abbreviations, emoticons)."""
+    import spacy
+    from spacy.tokenizer import Tokenizer
+
+    full = spacy.blank("en").tokenizer
+    return Tokenizer(full.vocab, rules={}, prefix_search=full.prefix_search, suffix_search=full.suffix_search,
+                     infix_finditer=full.infix_finditer, token_match=full.token_match, url_match=full.url_match)
+
+
+def _spacy_without_exceptions(text: str) -> list[str]:
+    return [t.text.strip() for t in _bare_spacy()(text) if t.text.strip()]  # as datatrove's strip_strings
 
 
 def cause(block: str, text: str, ours_removes: bool) -> str:

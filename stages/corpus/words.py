@@ -92,7 +92,8 @@ class _Pieces:
     def __init__(self, pieces: pa.Array):
         offsets = np.frombuffer(pieces.buffers()[1], np.int32, len(pieces) + 1, pieces.offset * 4)
         self.base, self.size, self.data_buffer = int(offsets[0]), int(offsets[-1] - offsets[0]), pieces.buffers()[2]
-        data = np.frombuffer(self.data_buffer, np.uint8)[offsets[0]:offsets[-1]] if len(pieces) else np.zeros(0, np.uint8)
+        data = np.frombuffer(self.data_buffer, np.uint8)[offsets[0]:offsets[-1]] if len(pieces) else \
+            np.zeros(0, np.uint8)
         self.code, self.byte = _decode(data)
         self.bits = _class_of(self.code)
         bounds = np.searchsorted(self.byte, offsets - offsets[0])
@@ -274,7 +275,8 @@ def _infixes(p: _Pieces, lo: np.ndarray, hi: np.ndarray, cuts: list[np.ndarray])
     length[(length == 0) & np.isin(code, [ord(c) for c in ":<>=/"]) & word_before & alpha_at[0]] = 1
     found = length > 0
     # a URL's last label is two or more lower case letters after a dot: a first look
-    tld = dot & alpha_at[0] & alpha_at[1] & ((p.at(at + 1, core_lo, core_hi) & p.at(at + 2, core_lo, core_hi) & LOWER) > 0)
+    lower = [(p.at(at + k, core_lo, core_hi) & LOWER) > 0 for k in (1, 2)]
+    tld = dot & lower[0] & lower[1]
     dotted = np.intersect1d(piece[found], piece[tld])
     found &= ~np.isin(piece, _urls(p, lo, hi, dotted))
     cuts.append(at[found])

@@ -79,7 +79,8 @@ def _infix(s: str, i: int) -> int:
         return 1
     if s[i] in "+-*^" and _digit(prev) and (_digit(nxt) or nxt == "-"):
         return 1
-    if s[i] == "." and (prev in QUOTES or _kind(prev) in ("Ll", "Lo")) and (nxt in QUOTES or _kind(nxt) in ("Lu", "Lo")):
+    if s[i] == "." and (prev in QUOTES or _kind(prev) in ("Ll", "Lo")) and \
+            (nxt in QUOTES or _kind(nxt) in ("Lu", "Lo")):
         return 1
     if s[i] == "," and alpha(prev) and alpha(nxt):
         return 1
