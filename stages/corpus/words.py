@@ -39,12 +39,12 @@ URL = re.compile(r"^(?:[\w+\-.]{2,}://)?(?:\S+(?::\S*)?@)?(?:[0-9]{1,3}(?:\.[0-9
                  r"(?:(?:[^\W_][\w\-]{0,62})?[^\W_]\.)+(?P<tld>[^\W\d_]{2,63}))(?::[0-9]{2,5})?(?:[/?#]\S*)?$")
 
 # Classes of characters, a bit each.
-PREFIX, SUFFIX, DOT_AFTER, LOWER, UPPER, ALPHA, QUOTE, ICON, DIGIT, INFIX, SUFFIX_RUN = (1 << i for i in range(11))
+PREFIX, SUFFIX, DOT_AFTER, LOWER, UPPER, ALPHA, QUOTE, ICON, DIGIT, INFIX, SUFFIX_RUN, DOT = (1 << i for i in range(12))
 
 
 def _classes(code: int) -> int:
     char, kind = chr(code), unicodedata.category(chr(code))
-    bits = ICON * (kind == "So") | DIGIT * ("0" <= char <= "9") | QUOTE * (char in QUOTES)
+    bits = ICON * (kind == "So") | DIGIT * ("0" <= char <= "9") | QUOTE * (char in QUOTES) | DOT * (char == ".")
     bits |= LOWER * (kind in ("Ll", "Lo")) | UPPER * (kind in ("Lu", "Lo")) | ALPHA * kind.startswith("L")
     if char in "§%=—–" + PUNCT + QUOTES + CURRENCY or kind == "So":
         bits |= PREFIX
@@ -160,13 +160,7 @@ def _prefixes(p: _Pieces, cuts: list[np.ndarray]) -> np.ndarray:
             size[run] = length
         dots = (char == ord(".")) & (nxt == ord("."))
         if dots.any():
-            stop = pos[dots] + 2
-            while True:
-                more = p.char(stop, pos[dots], end[dots]) == ord(".")
-                if not more.any():
-                    break
-                stop += more
-            size[dots] = stop - pos[dots]
+            size[dots] = _run_length(p, pos[dots], 1, pos[dots], end[dots], DOT)
         for text in MULTI_PREFIXES:
             match = size == 0
             for k, c in enumerate(text):
@@ -189,13 +183,7 @@ def _suffix_lengths(p: _Pieces, lo: np.ndarray, end: np.ndarray) -> np.ndarray:
     dot = char[0] == ord(".")
     runs = dot & (char[1] == ord("."))  # a run of dots, one suffix
     if runs.any():
-        first = end[runs] - 2
-        while True:
-            more = p.char(first - 1, lo[runs], end[runs]) == ord(".")
-            if not more.any():
-                break
-            first -= more
-        n[runs] = end[runs] - first
+        n[runs] = _run_length(p, end[runs] - 1, -1, lo[runs], end[runs], DOT)
     after = (before & DOT_AFTER) > 0
     after |= (char[2] == ord("°")) & np.isin(char[1], [ord(c) for c in "FfCcKk"])
     after |= ((p.at(end - 3, lo, end) & UPPER) > 0) & ((before & UPPER) > 0)
@@ -249,13 +237,7 @@ def _infixes(p: _Pieces, lo: np.ndarray, hi: np.ndarray, cuts: list[np.ndarray])
     dot = code == ord(".")
     runs = dot & (follow[0] == ord(".")) & (prev_char != ord("."))  # a run of dots starts: one infix
     if runs.any():
-        stop = at[runs] + 2
-        while True:
-            more = p.char(stop, core_lo[runs], core_hi[runs]) == ord(".")
-            if not more.any():
-                break
-            stop += more
-        length[runs] = stop - at[runs]
+        length[runs] = _run_length(p, at[runs], 1, core_lo[runs], core_hi[runs], DOT)
     length[(code == ord("…")) | ((bits & ICON) > 0)] = 1
     digit_op = np.isin(code, [ord(c) for c in "+-*^"]) & ((prev & DIGIT) > 0) & \
         (((p.at(at + 1, core_lo, core_hi) & DIGIT) > 0) | (follow[0] == ord("-")))
