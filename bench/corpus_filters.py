@@ -35,6 +35,9 @@ it decide as ours.
 datatrove's C4QualityFilter also rewrites the text it keeps (the lines that do not count are dropped); that
 rewrite changes no keep/remove decision of the block, and only decisions are compared.
 
+Words: of every tenth document, whether `stages.corpus.words` gives spaCy's words (its blank English tokenizer
+with its exceptions turned off, which ours leaves out), by kind.
+
 Language ID: datatrove's LanguageFilter loads fastText's lid.176 from the Hub at run time (nothing may be
 downloaded here), so it is not run; py3langid (what the stage runs) is scored on the documents of known language
 (the speeches' four languages, the English news and reviews) by `stages.corpus.langid.classify`.
@@ -323,6 +326,34 @@ def language_id(docs: list[dict]) -> dict:
                               "found": dict(c.most_common(5))} for k, c in sorted(per.items())}}
 
 
+def same_words(path: Path, every: int = 10, examples: int = 5) -> dict:
+    """Of every `every`-th document (spaCy takes ~9 ms a document), whether its words (`stages.corpus.words`, over
+    Python's white-space pieces, as spaCy cuts them) are spaCy's without its exceptions, by kind, with the first
+    differing words of a few (a pool worker)."""
+    import pyarrow as pa
+
+    from stages.corpus.words import split
+
+    pa.set_cpu_count(1)
+    same, total, found = Counter(), Counter(), []
+    with path.open() as lines:
+        for i, line in enumerate(lines):
+            if i % every:
+                continue
+            d = json.loads(line)
+            kind, pieces = d["id"].split("-")[0], d["text"].split()
+            ours = split(pa.array(pieces, pa.string())).flatten().to_pylist() if pieces else []
+            spacy = _spacy_without_exceptions(d["text"])
+            total[kind] += 1
+            same[kind] += ours == spacy
+            if ours != spacy and len(found) < examples:
+                at = next((i for i, (a, b) in enumerate(zip(ours, spacy)) if a != b), min(len(ours), len(spacy)))
+                found.append({"id": d["id"], "ours": ours[at:at + 3], "spacy": spacy[at:at + 3]})
+    n = sum(total.values())
+    return {"every": every, "documents": n, "same": sum(same.values()), "share": sum(same.values()) / max(n, 1),
+            "by_kind": {k: {"documents": total[k], "same": same[k]} for k in sorted(total)}, "examples": found}
+
+
 # ----------------------------------------------------------------------------------------------- the run
 
 def run_block(path: Path, block: str, batch: int, out: Path) -> tuple:
@@ -353,8 +384,10 @@ def table(report: dict) -> str:
     s = report["all_blocks"]
     rows.append(f"| all four | | | | {s['ours_docs_per_cpu_s']:.0f} | {s['datatrove_docs_per_cpu_s']:.0f} | "
                 f"{s['ratio']:.1f}x |")
-    lid = report["language_id"]
+    lid, words = report["language_id"], report["words"]
     rows.append(f"\npy3langid: {lid['correct']} of {lid['documents']} correct ({lid['accuracy']:.4f})")
+    rows.append(f"words: spaCy's (without its exceptions) in {words['same']} of {words['documents']} documents "
+                f"(every {words['every']}th)")
     return "\n".join(rows)
 
 
@@ -384,7 +417,9 @@ def main() -> None:
                 f.write(json.dumps({"id": d["id"], "text": d["text"]}) + "\n")
         with cf.ProcessPoolExecutor(args.procs, mp_context=mp.get_context("spawn")) as pool:
             runs = {b: pool.submit(run_block, path, b, args.batch, work) for b in args.blocks}
+            words = pool.submit(same_words, path)  # last: the blocks' timings first
             results = {b: f.result() for b, f in runs.items()}
+            words = words.result()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     with open(Path(tempfile.gettempdir()) / "corpus_filters_runs.pkl", "wb") as f:  # the costly part, kept
@@ -402,6 +437,7 @@ def main() -> None:
         "blocks": blocks,
         "all_blocks": _speed(n, *total),
         "language_id": language_id(docs),
+        "words": words,
     }
     emit(report, Path(args.json) if args.json else None, table(report))
 
