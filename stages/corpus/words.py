@@ -5,15 +5,17 @@ front and suffixes off its back, then cutting what is left (the core) at its inf
 spacy.lang.punctuation. Here those rules are evaluated on the code points of every distinct piece of a batch at
 once, in numpy: each rule is a class of characters (a bit of CLASSES) and the one or two characters beside it, so
 a piece's words are the cuts between its characters, and the words are slices of the batch's own UTF-8 buffer.
-spaCy runs its rules piece by piece in Python's `regex` (8.8 µs a piece here), and pyarrow's RE2 compiles a
-pattern with Unicode classes anew at every call (1-4 ms, more than the rest of a batch's work).
+Written by hand because spaCy runs its rules piece by piece in Python's `regex` (microseconds a piece: more than
+the whole budget of the rules), and pyarrow's RE2 compiles a pattern with Unicode classes anew at every call
+(milliseconds, more than the rest of a batch's work).
 
 Where this differs from spaCy: its tokenizer exceptions are not applied (contractions, abbreviations, emoticons:
 "don't" and "e.g." split as any word, "):" is two words where spaCy keeps one); a piece's prefixes are all peeled
 before its suffixes, where spaCy alternates; lower and upper case letters are Unicode's Ll and Lu, with the
 uncased scripts (Lo) in both, where spaCy lists script ranges; a URL is spaCy's URL_MATCH without its private-IP
-look-aheads. With spaCy's exceptions turned off, the two split the referee's first 2,000 documents into the same
-words; bench/README.md says how often datatrove's rules decide otherwise with this splitter.
+look-aheads. With spaCy's exceptions turned off, the two give the same words for every document the referee
+compares (`python -m bench.corpus_filters`, "Corpus filters against datatrove" in bench/README.md, which also says
+how often datatrove's rules decide otherwise with this splitter).
 """
 
 from __future__ import annotations
