@@ -450,11 +450,11 @@ def _c4(lines: Parts, rules: dict[str, float], n: int) -> dict[str, np.ndarray]:
             "c4_min_sentences": lines.count(n, counts, breaks + 1.0)}
 
 
-def _fineweb(texts: pa.Array, words: np.ndarray, newlines: NewlinePieces, n: int) -> dict[str, np.ndarray]:
-    """FineWeb's measures; `words`: (N,) words per text."""
+def _fineweb(texts: pa.Array, words: np.ndarray, newline_count: np.ndarray, newlines: NewlinePieces,
+             n: int) -> dict[str, np.ndarray]:
+    """FineWeb's measures; `words`, `newline_count`: (N,) words and "\n" per text."""
     lines, repeat = newlines.fineweb()
     n_lines = np.maximum(lines.count(n), 1)
-    newline_count = _numpy(pc.count_substring(texts, "\n"))
     chars = _numpy(pc.utf8_length(texts)) - newline_count
     return {
         "fineweb_line_punct": lines.count(n, lines.matches(TERMINAL)) / n_lines,
@@ -482,18 +482,18 @@ def measure(texts: pa.Array, rules: dict[str, float], exact: bool = True) -> dic
     if "c4" in groups:
         out.update(_c4(lines, rules, n))
     if "fineweb" in groups:
+        newline_count = _numpy(pc.count_substring(texts, "\n"))
         if words is not None:
             counts = words.count(n)
         elif exact or "fineweb_list_ratio" not in rules:
             counts = _word_counts(texts, n)
         else:  # words only where the bound may fire
             counts = _numpy(pc.list_value_length(pc.utf8_split_whitespace(texts))).astype(np.float64)
-            newline_count = _numpy(pc.count_substring(texts, "\n"))
             some = np.flatnonzero(BY_NAME["fineweb_list_ratio"].fires(
                 newline_count / np.maximum(counts, 1), rules["fineweb_list_ratio"]))
             if len(some):
                 counts[some] = _word_counts(texts.take(pa.array(some)), len(some))
-        out.update(_fineweb(texts, counts, newlines, n))
+        out.update(_fineweb(texts, counts, newline_count, newlines, n))
     return out
 
 

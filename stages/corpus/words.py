@@ -177,7 +177,7 @@ def _prefixes(p: _Pieces, cuts: list[np.ndarray]) -> np.ndarray:
 def _suffix_lengths(p: _Pieces, lo: np.ndarray, end: np.ndarray) -> np.ndarray:
     """(R,) code points of the suffix ending at `end` of each rest [lo, end) (0: none); the longest that fits is
     spaCy's leftmost match."""
-    char = [p.char(end - k, lo, end) for k in (1, 2, 3, 4, 5)]  # the last, the one before, ...
+    char = [p.char(end - k, lo, end) for k in (1, 2, 3, 4)]  # the last, the one before, ...
     before = p.at(end - 2, lo, end)
     n = ((p.at(end - 1, lo, end) & SUFFIX) > 0).astype(np.int64)
     for pair in SUFFIX_PAIRS:
@@ -273,28 +273,28 @@ def _urls(p: _Pieces, lo: np.ndarray, hi: np.ndarray, rows: np.ndarray) -> np.nd
     return rows[[bool(m) and (m["tld"] is None or m["tld"] == m["tld"].lower()) for m in found]]
 
 
-def _cuts(pieces: pa.Array) -> tuple[_Pieces, np.ndarray]:
-    """The pieces' code points, and where a word starts (ascending): each piece's start, and each cut in it."""
-    p = _Pieces(pieces)
+def _cuts(pieces: pa.Array) -> tuple[_Pieces, np.ndarray, np.ndarray]:
+    """The pieces' code points, where a word starts (ascending: each piece's start, and each cut in it), and where
+    each piece's words start among those (P + 1,)."""
+    p = _Pieces(pieces if pieces.type == pa.string() else pieces.cast(pa.string()))
     cuts = [p.start]
     rest = _prefixes(p, cuts)
     core_end = _suffixes(p, rest, cuts)
     _infixes(p, rest, core_end, cuts)
     starts = np.zeros(len(p.code) + 1, bool)  # a word starts here (a flag per code point: cheaper than np.unique)
     starts[np.concatenate(cuts)] = True
-    return p, np.flatnonzero(starts[:-1])
+    cut = np.flatnonzero(starts[:-1])
+    return p, cut, np.r_[np.searchsorted(cut, p.start), len(cut)]
 
 
 def split(pieces: pa.Array) -> pa.ListArray:
     """Each piece (no white space in it) as its list of words: slices of the pieces' own buffer."""
-    pieces = pa.concat_arrays([pieces.cast(pa.string())])  # its own buffers, from offset 0
-    p, cut = _cuts(pieces)
+    p, cut, first = _cuts(pieces)
     offsets = (np.r_[p.byte[cut], p.size] + p.base).astype(np.int32)
     words = pa.StringArray.from_buffers(len(cut), pa.py_buffer(offsets), p.data_buffer)
-    return pa.ListArray.from_arrays(pa.array(np.r_[np.searchsorted(cut, p.start), len(cut)].astype(np.int32)), words)
+    return pa.ListArray.from_arrays(pa.array(first.astype(np.int32)), words)
 
 
 def counts(pieces: pa.Array) -> np.ndarray:
     """(P,) words in each piece, as `split` splits it."""
-    p, cut = _cuts(pa.concat_arrays([pieces.cast(pa.string())]))
-    return np.diff(np.r_[np.searchsorted(cut, p.start), len(cut)])
+    return np.diff(_cuts(pieces)[2])
