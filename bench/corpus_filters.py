@@ -216,7 +216,7 @@ def theirs(path: Path, block: str, out: Path) -> tuple[dict[str, str], tuple[flo
 # ----------------------------------------------------------------------------------------------- comparing
 
 def _our_words(text: str) -> list[str]:
-    """`stages.corpus.quality`'s word splitter on one text."""
+    """`stages.corpus.quality`'s word splitter on one text (its white-space pieces as Python, and spaCy, cut them)."""
     import pyarrow as pa
 
     from stages.corpus.words import split
@@ -332,8 +332,6 @@ def same_words(path: Path, every: int = 10, examples: int = 5) -> dict:
     differing words of a few (a pool worker)."""
     import pyarrow as pa
 
-    from stages.corpus.words import split
-
     pa.set_cpu_count(1)
     same, total, found = Counter(), Counter(), []
     with path.open() as lines:
@@ -341,8 +339,7 @@ def same_words(path: Path, every: int = 10, examples: int = 5) -> dict:
             if i % every:
                 continue
             d = json.loads(line)
-            kind, pieces = d["id"].split("-")[0], d["text"].split()
-            ours = split(pa.array(pieces, pa.string())).flatten().to_pylist() if pieces else []
+            kind, ours = d["id"].split("-")[0], _our_words(d["text"])
             spacy = _spacy_without_exceptions(d["text"])
             total[kind] += 1
             same[kind] += ours == spacy
